@@ -15,6 +15,11 @@ from kaisoku.errors import ConfigError
 #: Benchmark name -> module under ``kaisoku.bench``.
 BENCHMARKS: dict[str, str] = {
     "engine": "kaisoku.bench.engine",
+    "loader": "kaisoku.bench.loader",
+    "optim": "kaisoku.bench.optim",
+    "largebatch": "kaisoku.bench.largebatch",
+    "parallel": "kaisoku.bench.parallel",
+    "kfac": "kaisoku.bench.kfac",
 }
 
 
@@ -22,5 +27,10 @@ def run_benchmark(name: str, quick: bool, out_dir: Path) -> dict[str, Any]:
     """Import benchmark ``name`` and run it."""
     if name not in BENCHMARKS:
         raise ConfigError(f"unknown benchmark '{name}'; choose one of: {', '.join(sorted(BENCHMARKS))}")
-    module = importlib.import_module(BENCHMARKS[name])
+    try:
+        module = importlib.import_module(BENCHMARKS[name])
+    except ModuleNotFoundError as error:
+        if error.name != BENCHMARKS[name]:
+            raise
+        raise ConfigError(f"benchmark '{name}' is not part of this version of kaisoku") from None
     return module.run(quick=quick, out_dir=out_dir)
