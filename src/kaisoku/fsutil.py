@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -23,10 +23,17 @@ def fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_open(path: str | os.PathLike[str], mode: str = "wb", **kwargs: Any) -> Iterator[IO[Any]]:
+def atomic_open(
+    path: str | os.PathLike[str],
+    mode: str = "wb",
+    *,
+    before_rename: Callable[[Path], None] | None = None,
+    **kwargs: Any,
+) -> Iterator[IO[Any]]:
     """Open a temp file beside ``path``; on a clean exit fsync it and rename it over ``path``.
 
-    On an exception the temp file is removed and ``path`` is left untouched.
+    On an exception the temp file is removed and ``path`` is left untouched. ``before_rename`` is
+    called with the temp file's path just before the rename (tests use it to stop a writer there).
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -37,6 +44,8 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb", **kwargs: Any) -
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
+        if before_rename is not None:
+            before_rename(tmp)
         os.replace(tmp, target)
         fsync_dir(target.parent)
     except BaseException:

@@ -1,0 +1,408 @@
+"""Configuration: a tree of kw-only dataclasses, TOML files and dotted command-line overrides.
+
+Each section is one dataclass; the docstring under each field is its ``--help`` text. A run's config is
+built in this order: a preset (a Python function in :mod:`kaisoku.presets`), then a TOML file, then
+``--section.field value`` overrides. Everything is validated before anything is launched.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+
+from kaisoku.errors import ConfigError
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which network to train."""
+
+    name: str = "resnet10"
+    """Model builder: resnet10, resnet18, resnet34, resnet50 (torchvision ResNets), small-cnn."""
+    num_classes: int = 0
+    """Number of output classes; 0 takes it from the dataset."""
+    stem: Literal["imagenet", "small"] = "imagenet"
+    """ResNet stem: imagenet (7x7/2 conv + max-pool) or small (3x3/1 conv, no pool, for images <= 64 px)."""
+    zero_init_residual: bool = True
+    """Start the last BatchNorm gamma of every residual block at zero, so each block begins as identity."""
+    bn_momentum: float = 0.1
+    """BatchNorm running-statistics momentum."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where samples come from and how they are batched and augmented."""
+
+    path: str = ""
+    """Dataset: a folder of class sub-folders of images. Empty: kaisoku's generated demo set."""
+    cache_dir: str = "~/.cache/kaisoku"
+    """Where the generated demo set is written on first use."""
+    image_size: int = 32
+    """Side of the square training crop, in pixels."""
+    crop_scale_min: float = 0.35
+    """Smallest area fraction of the random-resized crop."""
+    global_batch: int = 128
+    """Samples per optimizer step over all ranks; stays fixed whatever the world size."""
+    workers: int = 1
+    """DataLoader worker processes per rank (0 decodes in the training process)."""
+    val_fraction: float = 0.1
+    """Fraction of a class-folder dataset held out for validation when it has no val/ split."""
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """The optimizer and its hyper-parameters."""
+
+    name: Literal["sgd", "lars", "adamw"] = "sgd"
+    """Optimizer: sgd (momentum SGD), lars (layer-wise trust ratio, for large batches) or adamw."""
+    lr: float = 0.1
+    """Peak learning rate (after warmup)."""
+    momentum: float = 0.9
+    """Momentum factor."""
+    nesterov: bool = False
+    """Use Nesterov momentum."""
+    weight_decay: float = 5e-5
+    """L2 weight decay."""
+    no_decay_bn_bias: bool = True
+    """Exclude BatchNorm parameters and biases (ndim <= 1) from weight decay (and from LARS adaptation)."""
+    eta: float = 0.001
+    """LARS trust coefficient: the layer's step is scaled by eta * ||w|| / (||g|| + wd * ||w|| + eps)."""
+    trust_clip: bool = False
+    """LARC: clip the LARS trust ratio so the layer lr never exceeds the global lr."""
+    eps: float = 1e-9
+    """LARS denominator epsilon."""
+
+
+@dataclass(kw_only=True)
+class SchedConfig:
+    """The learning-rate schedule, per optimizer step."""
+
+    name: Literal["constant", "cosine", "arccot", "poly", "step"] = "cosine"
+    """Schedule after warmup: constant, cosine, arccot (arc-cotangent), poly (polynomial) or step."""
+    warmup_epochs: float = 0.5
+    """Linear warmup from 0 to the peak learning rate, in epochs."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of the peak (cosine, poly)."""
+    arccot_center: float = 0.5
+    """arccot: where the learning rate is exactly half the peak, as a fraction of the whole run."""
+    arccot_slope: float = 10.0
+    """arccot: steepness; lr = lr0 * arccot(slope * (t - center)) / pi with t the fraction of the run done."""
+    poly_power: float = 2.0
+    """poly: exponent of the polynomial decay."""
+    step_milestones: list[float] = field(default_factory=lambda: [0.5, 0.75])
+    """step: fractions of the run at which the learning rate is multiplied by step_gamma."""
+    step_gamma: float = 0.1
+    """step: multiplier at each milestone."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The training loop."""
+
+    epochs: float = 6.0
+    """Epochs to train (fractions allowed)."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps; 0 runs all epochs."""
+    seed: int = 0
+    """Seed of every random choice: init, sample order (seed, epoch), augmentation (seed, epoch, index)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Autocast precision: fp32, bf16 (CPU and CUDA) or fp16 with a gradient scaler (CUDA only)."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step (gradients synchronised on the last one only)."""
+    label_smoothing: float = 0.0
+    """Cross-entropy label smoothing."""
+    val_every: int = 0
+    """Validate every N steps; 0 validates at the end of each epoch."""
+    log_every: int = 10
+    """Write a metrics line every N steps."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device: auto picks CUDA when available."""
+
+
+@dataclass(kw_only=True)
+class DistConfig:
+    """Process groups and launching."""
+
+    nproc: int = 0
+    """Ranks to launch on this node; 0: one per GPU, else 2 CPU ranks."""
+    timeout: float = 300.0
+    """Seconds a collective waits for a peer before the run stops (torch's own default is 30 minutes)."""
+    max_restarts: int = 0
+    """Times torchrun restarts the ranks after a failure; combine with --resume auto."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Checkpoints: what, when, how many."""
+
+    every_steps: int = 0
+    """Save every N optimizer steps; 0 saves at the end of each epoch."""
+    keep: int = 3
+    """How many of the newest checkpoints to keep."""
+    resume: str = ""
+    """Resume from: "" (no), "auto" (the newest valid checkpoint in the run dir) or a checkpoint file."""
+
+
+@dataclass(kw_only=True)
+class MetricsConfig:
+    """Progress, logs and summaries."""
+
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files under the run dir (needs the tensorboard package)."""
+
+
+@dataclass(kw_only=True)
+class Config:
+    """A whole training run."""
+
+    run_dir: str = "runs/default"
+    """Folder for config.toml, metrics.jsonl and checkpoints/."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Introspection: field docs, types and dotted keys.
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of dataclass ``cls``."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, following in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_section(tp: Any) -> bool:
+    return dataclasses.is_dataclass(tp) and isinstance(tp, type)
+
+
+def iter_fields(cls: type = Config, prefix: str = "") -> list[tuple[str, Any, Any, str]]:
+    """Every leaf field as (dotted key, type, default, help text), in declaration order."""
+    out: list[tuple[str, Any, Any, str]] = []
+    docs = field_docs(cls)
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        key = f"{prefix}{f.name}"
+        if _is_section(tp):
+            out.extend(iter_fields(tp, key + "."))
+        else:
+            out.append((key, tp, getattr(defaults, f.name), docs.get(f.name, "")))
+    return out
+
+
+def type_name(tp: Any) -> str:
+    """A short readable name for a field type, e.g. ``int`` or ``one of sgd, lars``."""
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(str(v) for v in typing.get_args(tp))
+    if typing.get_origin(tp) in (types.UnionType, typing.Union):
+        return " or ".join(type_name(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def coerce(key: str, tp: Any, value: Any) -> Any:
+    """Convert ``value`` (a string from the command line, or a TOML value) to field type ``tp``."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        for choice in choices:
+            if value == choice or (isinstance(value, str) and str(choice) == value):
+                return choice
+        raise ConfigError(f"{key}: {value!r} is not valid; choose one of: {', '.join(map(str, choices))}")
+    if origin in (types.UnionType, typing.Union):
+        errors = []
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                if value in (None, "none", "None", ""):
+                    return None
+                continue
+            try:
+                return coerce(key, arg, value)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(f"{key}: {value!r} is not a {type_name(tp)}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise ConfigError(f"{key}: {value!r} is not a bool; use true or false")
+    if tp in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: {value!r} is not an {tp.__name__}")
+        try:
+            if tp is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return tp(value) if not (tp is int and isinstance(value, str)) else int(value, 0)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: {value!r} is not a{'n' if tp is int else ''} {tp.__name__}") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    if origin in (list, tuple):
+        items = value.split(",") if isinstance(value, str) else list(value)
+        args = typing.get_args(tp)
+        item_tp = args[0] if args else str
+        converted = [coerce(key, item_tp, item.strip() if isinstance(item, str) else item) for item in items]
+        return tuple(converted) if origin is tuple else converted
+    raise ConfigError(f"{key}: unsupported field type {tp}")
+
+
+def _normalise_key(key: str) -> str:
+    return key.replace("-", "_")
+
+
+def _resolve(cfg: Any, dotted: str) -> tuple[Any, str, Any]:
+    """Find the section object, field name and type that ``dotted`` names, or raise ConfigError."""
+    parts = _normalise_key(dotted).split(".")
+    obj = cfg
+    for depth, part in enumerate(parts):
+        cls = type(obj)
+        names = [f.name for f in dataclasses.fields(cls)]
+        if part not in names:
+            where = ".".join(parts[:depth]) or "the config"
+            valid = ", ".join(names)
+            raise ConfigError(f"unknown config key '{dotted}': {where} has {valid}")
+        tp = _hints(cls)[part]
+        if depth == len(parts) - 1:
+            if _is_section(tp):
+                raise ConfigError(f"'{dotted}' is a section; set one of its fields, e.g. {dotted}.<field>")
+            return obj, part, tp
+        if not _is_section(tp):
+            raise ConfigError(
+                f"unknown config key '{dotted}': '{'.'.join(parts[: depth + 1])}' has no fields"
+            )
+        obj = getattr(obj, part)
+    raise ConfigError(f"empty config key '{dotted}'")
+
+
+def apply_override(cfg: Config, dotted: str, value: Any) -> None:
+    """Set ``cfg.<dotted>`` to ``value`` after converting it to the field's type."""
+    obj, name, tp = _resolve(cfg, dotted)
+    setattr(obj, name, coerce(_normalise_key(dotted), tp, value))
+
+
+def apply_mapping(cfg: Config, mapping: dict[str, Any], prefix: str = "") -> None:
+    """Apply a nested mapping (a parsed TOML file) onto ``cfg``."""
+    for key, value in mapping.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            _section(cfg, dotted)
+            apply_mapping(cfg, value, dotted + ".")
+        else:
+            apply_override(cfg, dotted, value)
+
+
+def _section(cfg: Config, dotted: str) -> Any:
+    """The section object that ``dotted`` names, or ConfigError listing the sections there are."""
+    section: Any = cfg
+    for part in _normalise_key(dotted).split("."):
+        cls = type(section)
+        sections = [f.name for f in dataclasses.fields(cls) if _is_section(_hints(cls)[f.name])]
+        if part not in sections:
+            raise ConfigError(f"unknown config section '{dotted}'; sections: {', '.join(sections) or 'none'}")
+        section = getattr(section, part)
+    return section
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML config file, with a one-line error for a missing or malformed file."""
+    path = Path(path).expanduser()
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as a nested dict of plain values."""
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: Config) -> str:
+    """The config as TOML text, every field written out."""
+    return tomli_w.dumps(to_dict(cfg))
+
+
+def from_dict(mapping: dict[str, Any]) -> Config:
+    """Build a Config from a nested dict (e.g. a checkpoint's saved config)."""
+    cfg = Config()
+    apply_mapping(cfg, mapping)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Check values that types alone do not catch; raise ConfigError naming the field."""
+    checks: list[tuple[bool, str]] = [
+        (cfg.data.global_batch > 0, "data.global_batch must be > 0"),
+        (cfg.data.image_size >= 8, "data.image_size must be >= 8"),
+        (0.0 < cfg.data.crop_scale_min <= 1.0, "data.crop_scale_min must be in (0, 1]"),
+        (cfg.data.workers >= 0, "data.workers must be >= 0"),
+        (0.0 <= cfg.data.val_fraction < 1.0, "data.val_fraction must be in [0, 1)"),
+        (cfg.model.num_classes >= 0, "model.num_classes must be >= 0"),
+        (cfg.optim.lr > 0, f"optim.lr must be > 0 (got {cfg.optim.lr})"),
+        (cfg.optim.weight_decay >= 0, "optim.weight_decay must be >= 0"),
+        (0 <= cfg.optim.momentum < 1, "optim.momentum must be in [0, 1)"),
+        (cfg.sched.warmup_epochs >= 0, "sched.warmup_epochs must be >= 0"),
+        (cfg.train.epochs > 0, "train.epochs must be > 0"),
+        (cfg.train.max_steps >= 0, "train.max_steps must be >= 0"),
+        (cfg.train.grad_accum >= 1, "train.grad_accum must be >= 1"),
+        (0 <= cfg.train.label_smoothing < 1, "train.label_smoothing must be in [0, 1)"),
+        (cfg.train.log_every >= 1, "train.log_every must be >= 1"),
+        (cfg.train.val_every >= 0, "train.val_every must be >= 0"),
+        (cfg.dist.nproc >= 0, "dist.nproc must be >= 0"),
+        (cfg.dist.timeout > 0, "dist.timeout must be > 0 seconds"),
+        (cfg.dist.max_restarts >= 0, "dist.max_restarts must be >= 0"),
+        (cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1"),
+        (cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps must be >= 0"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    if cfg.data.path and not Path(cfg.data.path).expanduser().exists():
+        raise ConfigError(f"data.path {cfg.data.path} does not exist; point it at a dataset folder")
+    if cfg.data.path and not Path(cfg.data.path).expanduser().is_dir():
+        raise ConfigError(f"data.path {cfg.data.path} is not a folder of class sub-folders")

@@ -1,0 +1,901 @@
+"""Tiered shard cache: source (any path) -> node-local directory -> RAM, staged ahead by one stager per node.
+
+The pure part:
+
+- :func:`node_trace` turns an epoch's order into the node's *access trace*: for every step, the shards
+  that the node's ranks read in it (first appearance first). For ``partial`` it keeps only the node's home
+  shards, and puts the samples the node sends away (read once, at the epoch's first step) in front.
+- :func:`first_use_order` lists the shards of a trace in order of first use: the order the stager loads
+  them when everything fits.
+- :func:`belady_evictions` is a plain reference simulator of clairvoyant (Belady) caching on a trace:
+  on a miss it evicts the resident shard whose next use is farthest (never used again counts as
+  farthest; ties to the higher shard id). Shards used in the current step are pinned; a shard that cannot
+  fit beside the step's pinned shards is a *bypass* (read from the source, not cached).
+- :func:`plan_staging` is the heap-based planner the stager executes. It makes the same decisions as the
+  simulator and adds, for every eviction, the step after which it is safe.
+
+The runtime part, :class:`NodeCache`: every rank of a node builds one with the same directories. Local
+rank 0 prepares the node's control files in the RAM directory (``/dev/shm/...``: shard-state flags, each
+rank's progress, counters) and runs the stager thread; all ranks read. The stager computes the node's
+trace from (seed, epoch) for the current epoch with the next epoch as look-ahead, plans each tier with
+:func:`plan_staging`, and executes the plan: it reads whole shards sequentially from the source (or from
+the local tier into RAM), writes them to a temporary name and renames, and it runs ahead of training as
+far as the capacities allow. An eviction waits until every rank of the node has reported (through
+:meth:`NodeCache.mark_progress`) that it finished the step of the victim's last use before the eviction.
+Readers memory-map RAM or local files; a shard being staged is waited for; anything else is read from the
+source. When the local directory is full or unwritable, staging into it stops with one warning and
+training goes on from RAM or the source.
+"""
+
+from __future__ import annotations
+
+import errno
+import heapq
+import logging
+import mmap
+import os
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kaisoku.data.shuffle import as_shard_sizes, shard_of
+from kaisoku.errors import KaisokuError
+from kaisoku.fsutil import atomic_write_text
+
+if TYPE_CHECKING:
+    from kaisoku.data.sampler import EpochSampler
+
+log = logging.getLogger(__name__)
+
+NEVER = np.iinfo(np.int64).max
+"""Next-use position of a shard that is not used again in the trace."""
+
+# ----------------------------------------------------------------------------------------------- pure part
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A node's shard accesses in order: ``shards[i]`` is read during step ``steps[i]``."""
+
+    steps: np.ndarray
+    shards: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.shards.size)
+
+    @classmethod
+    def of(cls, trace: Trace | Iterable[int]) -> Trace:
+        """A Trace as is, or a plain sequence of shard ids with every access its own step."""
+        if isinstance(trace, Trace):
+            return trace
+        shards = np.asarray(list(trace), dtype=np.int64)
+        return cls(np.arange(shards.size, dtype=np.int64), shards)
+
+    def then(self, other: Trace) -> Trace:
+        """This trace followed by ``other`` (its steps shifted to come after this trace's steps)."""
+        offset = int(self.steps[-1]) + 1 - (int(other.steps[0]) if len(other) else 0) if len(self) else 0
+        return Trace(
+            np.concatenate([self.steps, other.steps + offset]).astype(np.int64),
+            np.concatenate([self.shards, other.shards]).astype(np.int64),
+        )
+
+
+def first_use_order(trace: Trace | Iterable[int]) -> np.ndarray:
+    """The shards of ``trace`` in order of first use."""
+    shards = Trace.of(trace).shards
+    _, first = np.unique(shards, return_index=True)
+    return shards[np.sort(first)]
+
+
+def next_uses(shards: np.ndarray) -> np.ndarray:
+    """For each position, the next position reading the same shard (``NEVER`` if none)."""
+    shards = np.asarray(shards, dtype=np.int64)
+    order = np.lexsort((np.arange(shards.size), shards))
+    result = np.full(shards.size, NEVER, dtype=np.int64)
+    same = shards[order[:-1]] == shards[order[1:]]
+    result[order[:-1][same]] = order[1:][same]
+    return result
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    """One cache decision at trace position ``position``: ``load``, ``evict`` or ``bypass`` of ``shard``."""
+
+    position: int
+    kind: str
+    shard: int
+
+
+@dataclass(frozen=True)
+class StagingAction:
+    """A planned cache decision with what the stager needs to execute it safely.
+
+    ``step`` is the step of ``position``; for an eviction, ``after_step`` is the step of the victim's last
+    use earlier in this trace (-1: none, then its last use in an earlier epoch gates it).
+    """
+
+    position: int
+    kind: str
+    shard: int
+    step: int
+    after_step: int = -1
+
+    def event(self) -> CacheEvent:
+        """The decision without its gate."""
+        return CacheEvent(self.position, self.kind, self.shard)
+
+
+def _check_capacity(capacity_bytes: int, shard_bytes: Any) -> np.ndarray:
+    if capacity_bytes < 0:
+        raise KaisokuError(f"cache capacity must be >= 0 bytes, got {capacity_bytes}")
+    sizes = np.asarray(shard_bytes, dtype=np.int64)
+    if (sizes < 0).any():
+        raise KaisokuError("shard byte sizes must be >= 0")
+    return sizes
+
+
+def _step_bounds(steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each position, the first and one-past-last position of its step."""
+    change = np.flatnonzero(np.diff(steps)) + 1
+    starts = np.concatenate([[0], change])
+    ends = np.concatenate([change, [steps.size]])
+    group = np.repeat(np.arange(starts.size), ends - starts)
+    return starts[group], ends[group]
+
+
+def belady_evictions(
+    trace: Trace | Iterable[int],
+    capacity_bytes: int,
+    shard_bytes: Any,
+    *,
+    initial: Sequence[int] = (),
+    horizon: int | None = None,
+) -> list[CacheEvent]:
+    """Reference Belady simulator: the loads, evictions and bypasses of the first ``horizon`` accesses.
+
+    Positions from ``horizon`` on are look-ahead only: they count as future uses, nothing is decided there.
+    ``initial`` shards are resident at the start. Straightforward and slow (a scan per decision); the
+    stager uses :func:`plan_staging`, which must agree with this.
+    """
+    tr = Trace.of(trace)
+    sizes = _check_capacity(capacity_bytes, shard_bytes)
+    shards = tr.shards.tolist()
+    steps = tr.steps.tolist()
+    stop = len(shards) if horizon is None else min(horizon, len(shards))
+    resident: list[int] = list(dict.fromkeys(int(s) for s in initial))
+    used = sum(int(sizes[s]) for s in resident)
+    events: list[CacheEvent] = []
+
+    def next_use_after(shard: int, position: int) -> int:
+        for j in range(position + 1, len(shards)):
+            if shards[j] == shard:
+                return j
+        return int(NEVER)
+
+    for i in range(stop):
+        shard = shards[i]
+        if shard in resident:
+            continue
+        size = int(sizes[shard])
+        in_step = {shards[j] for j in range(len(shards)) if steps[j] == steps[i]}
+        pinned = sum(int(sizes[v]) for v in resident if v in in_step)
+        if size + pinned > capacity_bytes:
+            events.append(CacheEvent(i, "bypass", shard))
+            continue
+        while used + size > capacity_bytes:
+            victim = max((v for v in resident if v not in in_step), key=lambda v: (next_use_after(v, i), v))
+            resident.remove(victim)
+            used -= int(sizes[victim])
+            events.append(CacheEvent(i, "evict", victim))
+        resident.append(shard)
+        used += size
+        events.append(CacheEvent(i, "load", shard))
+    return events
+
+
+@dataclass(frozen=True)
+class StagingPlan:
+    """What a stager does for one tier: actions in order, and the shards resident at the end."""
+
+    actions: tuple[StagingAction, ...]
+    resident: tuple[int, ...]
+
+    def events(self) -> list[CacheEvent]:
+        """The decisions, comparable with :func:`belady_evictions`."""
+        return [a.event() for a in self.actions]
+
+
+def plan_staging(
+    trace: Trace | Iterable[int],
+    capacity_bytes: int,
+    shard_bytes: Any,
+    *,
+    initial: Sequence[int] = (),
+    horizon: int | None = None,
+) -> StagingPlan:
+    """Belady plan of the first ``horizon`` accesses of ``trace`` (same decisions as the simulator).
+
+    O(n log n): next uses precomputed, residents in a max-heap keyed by (next use, shard) with lazy
+    deletion, shards of the current step set aside while choosing a victim.
+    """
+    tr = Trace.of(trace)
+    sizes = _check_capacity(capacity_bytes, shard_bytes)
+    shards = tr.shards
+    steps = tr.steps
+    stop = len(tr) if horizon is None else min(horizon, len(tr))
+    nxt = next_uses(shards)
+    first_pos: dict[int, int] = {}
+    for position, shard in enumerate(shards.tolist()):
+        first_pos.setdefault(shard, position)
+    step_start, step_end = _step_bounds(steps) if len(tr) else (steps, steps)
+
+    resident_next: dict[int, int] = {}
+    resident_order: list[int] = []
+    heap: list[tuple[int, int]] = []
+    used = 0
+    for shard in dict.fromkeys(int(s) for s in initial):
+        key = first_pos.get(shard, int(NEVER))
+        resident_next[shard] = key
+        resident_order.append(shard)
+        heapq.heappush(heap, (-key, -shard))
+        used += int(sizes[shard])
+    last_step: dict[int, int] = {}
+    actions: list[StagingAction] = []
+    step_set: set[int] = set()
+    step_set_start = -1
+
+    for i in range(stop):
+        shard = int(shards[i])
+        step = int(steps[i])
+        if step_start[i] != step_set_start:
+            step_set_start = int(step_start[i])
+            step_set = set(shards[step_set_start : step_end[i]].tolist())
+        if shard in resident_next:
+            resident_next[shard] = int(nxt[i])
+            heapq.heappush(heap, (-int(nxt[i]), -shard))
+            last_step[shard] = step
+            continue
+        size = int(sizes[shard])
+        pinned = sum(int(sizes[v]) for v in step_set if v in resident_next)
+        if size + pinned > capacity_bytes:
+            actions.append(StagingAction(i, "bypass", shard, step))
+            last_step[shard] = step
+            continue
+        set_aside: list[tuple[int, int]] = []
+        while used + size > capacity_bytes:
+            neg_next, neg_shard = heapq.heappop(heap)
+            victim = -neg_shard
+            if resident_next.get(victim) != -neg_next:
+                continue  # stale heap entry
+            if victim in step_set:
+                set_aside.append((neg_next, neg_shard))
+                continue
+            del resident_next[victim]
+            resident_order.remove(victim)
+            used -= int(sizes[victim])
+            actions.append(StagingAction(i, "evict", victim, step, last_step.get(victim, -1)))
+        for entry in set_aside:
+            heapq.heappush(heap, entry)
+        resident_next[shard] = int(nxt[i])
+        resident_order.append(shard)
+        heapq.heappush(heap, (-int(nxt[i]), -shard))
+        used += size
+        last_step[shard] = step
+        actions.append(StagingAction(i, "load", shard, step))
+    return StagingPlan(tuple(actions), tuple(resident_order))
+
+
+def node_trace(
+    order: np.ndarray,
+    *,
+    global_batch: int,
+    world_size: int,
+    ranks_per_node: int,
+    node: int,
+    shard_sizes: Any,
+    start_step: int = 0,
+    home_shards: np.ndarray | None = None,
+) -> Trace:
+    """The shards node ``node``'s ranks read, step by step, from ``start_step`` of an epoch's ``order``.
+
+    Ranks are numbered contiguously per node, so the node reads columns
+    ``node * R * b .. (node + 1) * R * b - 1`` of every global batch (``b = global_batch / world_size``).
+    With ``home_shards`` (a boolean mask over shards; the ``partial`` shuffle), the node reads only
+    samples of its home shards, and at ``start_step`` also the home samples that other nodes consume,
+    which it sends them through the exchange.
+    """
+    sizes = as_shard_sizes(shard_sizes)
+    if world_size % ranks_per_node or global_batch % world_size:
+        raise KaisokuError(
+            f"world size {world_size} must be a multiple of ranks per node {ranks_per_node}, and the global "
+            f"batch {global_batch} a multiple of the world size"
+        )
+    width = ranks_per_node * (global_batch // world_size)
+    steps = len(order) // global_batch
+    grid = np.asarray(order[: steps * global_batch]).reshape(steps, global_batch)[start_step:]
+    own = grid[:, node * width : (node + 1) * width]
+    own_shards = shard_of(own, sizes)
+    own_steps = np.broadcast_to(np.arange(start_step, steps, dtype=np.int64)[:, None], own.shape)
+    step_parts = [own_steps.reshape(-1)]
+    shard_parts = [own_shards.reshape(-1)]
+    if home_shards is not None:
+        mask = np.asarray(home_shards, dtype=bool)
+        keep = mask[shard_parts[0]]
+        step_parts = [step_parts[0][keep]]
+        shard_parts = [shard_parts[0][keep]]
+        others = shard_of(np.delete(grid, np.s_[node * width : (node + 1) * width], axis=1), sizes).reshape(
+            -1
+        )
+        sent = others[mask[others]]
+        step_parts.insert(0, np.full(sent.size, start_step, dtype=np.int64))
+        shard_parts.insert(0, sent)
+    all_steps = np.concatenate(step_parts)
+    all_shards = np.concatenate(shard_parts)
+    # One access per (step, shard), in order of first appearance.
+    _, first = np.unique(all_steps * sizes.size + all_shards, return_index=True)
+    first.sort()
+    return Trace(all_steps[first].astype(np.int64), all_shards[first].astype(np.int64))
+
+
+def sampler_trace_fn(sampler: EpochSampler, *, node: int, ranks_per_node: int) -> Callable[[int, int], Trace]:
+    """``trace(epoch, start_step)`` of node ``node`` for :meth:`NodeCache.start_staging`, from a sampler."""
+
+    def trace(epoch: int, start_step: int) -> Trace:
+        spec = sampler.spec_for(epoch)
+        home = None
+        if spec.name == "partial" and spec.num_nodes > 1 and sampler.layout_matches(epoch):
+            home = sampler.partial_plan(epoch).home_of_shard == node
+        return node_trace(
+            sampler.epoch_order(epoch),
+            global_batch=sampler.global_batch,
+            world_size=sampler.world_size,
+            ranks_per_node=ranks_per_node,
+            node=node,
+            shard_sizes=sampler.shard_sizes,
+            start_step=start_step,
+            home_shards=home,
+        )
+
+    return trace
+
+
+# -------------------------------------------------------------------------------------------- runtime part
+
+FLAG_RAM = 1
+FLAG_LOCAL = 2
+FLAG_PENDING = 4
+
+_STATE_SLOT, _EPOCH_SLOT, _RAM_ON_SLOT, _LOCAL_ON_SLOT = range(4)
+_STATE_IDLE, _STATE_RUNNING, _STATE_DONE, _STATE_FAILED = range(4)
+COUNTERS = ("source_reads", "source_bytes", "ram_opens", "local_opens", "staged_bytes", "waits")
+"""Per-process counters: source reads and bytes, shard files mapped per tier, bytes staged, waits."""
+_EPOCH_SHIFT = 32
+_COPY_CHUNK = 8 << 20
+
+
+def progress_ticket(epoch: int, steps_done: int) -> int:
+    """Progress as one integer: epoch in the high bits, steps finished in it in the low bits."""
+    return (int(epoch) << _EPOCH_SHIFT) | int(steps_done)
+
+
+def _shard_name(shard: int) -> str:
+    return f"shard-{shard:06d}"
+
+
+class NodeCache:
+    """The node's tiered shard cache, as seen by one rank (local rank 0 also owns the stager).
+
+    ``source_paths[s]`` is shard ``s``'s file on the source. ``ram_dir`` holds the control files and, when
+    ``ram_capacity > 0``, the RAM tier (put it on /dev/shm); every rank of a node must pass the same
+    ``ram_dir``, ``local_dir`` and ``run_token`` (a value unique to the run, e.g. the rendezvous id).
+    """
+
+    def __init__(
+        self,
+        source_paths: Sequence[str | os.PathLike[str]],
+        *,
+        ram_dir: str | os.PathLike[str],
+        ram_capacity: int = 0,
+        local_dir: str | os.PathLike[str] | None = None,
+        local_capacity: int = 0,
+        local_rank: int = 0,
+        ranks_per_node: int = 1,
+        run_token: str = "",
+        wait_timeout: float = 600.0,
+        max_open: int = 64,
+    ) -> None:
+        if not 0 <= local_rank < ranks_per_node:
+            raise KaisokuError(f"local rank {local_rank} is outside 0..{ranks_per_node - 1}")
+        if ram_capacity < 0 or local_capacity < 0:
+            raise KaisokuError("cache capacities must be >= 0 bytes")
+        self.source_paths = [Path(p) for p in source_paths]
+        if not self.source_paths:
+            raise KaisokuError("the cache needs at least one shard path")
+        self.num_shards = len(self.source_paths)
+        self.ram_dir = Path(ram_dir)
+        self.local_dir = Path(local_dir) if local_dir else None
+        self.ram_capacity = int(ram_capacity)
+        self.local_capacity = int(local_capacity) if self.local_dir else 0
+        self.local_rank = local_rank
+        self.ranks_per_node = ranks_per_node
+        self.run_token = run_token or "kaisoku"
+        self.wait_timeout = wait_timeout
+        self.max_open = max_open
+        self.stager_log: list[tuple[int, str, CacheEvent]] = []
+        """(epoch, tier, event) of every action the stager executed (local rank 0 only)."""
+        self._maps: OrderedDict[int, tuple[str, memoryview]] = OrderedDict()
+        self._source_fds: OrderedDict[int, int] = OrderedDict()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._staged = threading.Condition()
+        self._staged_epoch = -1
+        self._warned: set[str] = set()
+        if local_rank == 0:
+            self._initialise()
+        self._attach()
+
+    # ---------------------------------------------------------------- control files
+
+    @property
+    def _ram_shards(self) -> Path:
+        return self.ram_dir / "shards"
+
+    @property
+    def _local_shards(self) -> Path | None:
+        return self.local_dir / "kaisoku-shards" if self.local_dir else None
+
+    def _initialise(self) -> None:
+        try:
+            self.ram_dir.mkdir(parents=True, exist_ok=True)
+            (self.ram_dir / "ready").unlink(missing_ok=True)
+            shutil.rmtree(self._ram_shards, ignore_errors=True)
+            self._ram_shards.mkdir()
+            for name, dtype, count in self._control_layout():
+                np.zeros(count, dtype=dtype).tofile(self.ram_dir / name)
+        except OSError as error:
+            raise KaisokuError(
+                f"cannot prepare the node cache in {self.ram_dir} ({error.strerror or error}); "
+                "set data.ram_dir to a writable directory (e.g. under /dev/shm)"
+            ) from error
+        local_on = 0
+        if self._local_shards is not None and self.local_capacity > 0:
+            try:
+                shutil.rmtree(self._local_shards, ignore_errors=True)
+                self._local_shards.mkdir(parents=True)
+                local_on = 1
+            except OSError as error:
+                self._warn_once(
+                    "local", f"local cache {self.local_dir} is not writable ({error.strerror or error})"
+                )
+        control = np.memmap(self.ram_dir / "control.bin", dtype=np.int64, mode="r+")
+        control[_RAM_ON_SLOT] = int(self.ram_capacity > 0)
+        control[_LOCAL_ON_SLOT] = local_on
+        control[_EPOCH_SLOT] = -1
+        control.flush()
+        del control
+        progress = np.memmap(self.ram_dir / "progress.bin", dtype=np.int64, mode="r+")
+        progress[:] = -1
+        progress.flush()
+        del progress
+        atomic_write_text(self.ram_dir / "ready", self.run_token)
+
+    def _control_layout(self) -> list[tuple[str, Any, int]]:
+        return [
+            ("flags.bin", np.uint8, self.num_shards),
+            ("control.bin", np.int64, 4),
+            ("progress.bin", np.int64, self.ranks_per_node),
+            ("counters.bin", np.int64, (self.ranks_per_node + 1) * len(COUNTERS)),
+        ]
+
+    def _attach(self) -> None:
+        ready = self.ram_dir / "ready"
+        deadline = time.monotonic() + self.wait_timeout
+        delay = 0.002
+        while True:
+            try:
+                if ready.read_text() == self.run_token:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise KaisokuError(
+                    f"the node cache in {self.ram_dir} was not prepared by local rank 0 within "
+                    f"{self.wait_timeout:.0f} s; every rank of a node must use the same data.ram_dir and run"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        self._flags = np.memmap(self.ram_dir / "flags.bin", dtype=np.uint8, mode="r+")
+        self._control = np.memmap(self.ram_dir / "control.bin", dtype=np.int64, mode="r+")
+        self._progress = np.memmap(self.ram_dir / "progress.bin", dtype=np.int64, mode="r+")
+        self._counters = np.memmap(self.ram_dir / "counters.bin", dtype=np.int64, mode="r+").reshape(
+            self.ranks_per_node + 1, len(COUNTERS)
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled into DataLoader workers: a reader attached to the same control files, no stager."""
+        keep = ("source_paths", "num_shards", "ram_dir", "local_dir", "ram_capacity", "local_capacity")
+        state = {k: self.__dict__[k] for k in keep}
+        state.update(
+            local_rank=self.local_rank,
+            ranks_per_node=self.ranks_per_node,
+            run_token=self.run_token,
+            wait_timeout=self.wait_timeout,
+            max_open=self.max_open,
+        )
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.stager_log = []
+        self._maps = OrderedDict()
+        self._source_fds = OrderedDict()
+        self._thread = None
+        self._stop = threading.Event()
+        self._staged = threading.Condition()
+        self._staged_epoch = -1
+        self._warned = set()
+        self._attach()
+
+    def _count(self, name: str, amount: int = 1, row: int | None = None) -> None:
+        self._counters[self.local_rank if row is None else row, COUNTERS.index(name)] += amount
+
+    def _warn_once(self, tier: str, reason: str) -> None:
+        if tier in self._warned:
+            return
+        self._warned.add(tier)
+        fallback = "the source" if tier == "ram" or self.ram_capacity == 0 else "RAM and the source"
+        log.warning("%s; staging into it stops and training reads from %s", reason, fallback)
+
+    # ---------------------------------------------------------------- readers
+
+    def mark_progress(self, epoch: int, steps_done: int) -> None:
+        """Report that this rank has received its first ``steps_done`` batches of ``epoch``.
+
+        The stager evicts a shard only after every rank of the node has passed its last use; call this as
+        each batch arrives in the training loop, and with ``steps_done = start`` when an epoch begins.
+        """
+        self._progress[self.local_rank] = progress_ticket(epoch, steps_done)
+
+    def _resolve(self, shard: int) -> str:
+        """The tier holding ``shard`` now: ram, local, or source; waits while it is being staged."""
+        if not 0 <= shard < self.num_shards:
+            raise KaisokuError(f"shard {shard} is outside 0..{self.num_shards - 1}")
+        deadline: float | None = None
+        delay = 0.001
+        while True:
+            flags = int(self._flags[shard])
+            if flags & FLAG_RAM:
+                return "ram"
+            if flags & FLAG_LOCAL:
+                return "local"
+            running = int(self._control[_STATE_SLOT]) == _STATE_RUNNING
+            my_epoch = int(self._progress[self.local_rank]) >> _EPOCH_SHIFT
+            planning_behind = int(self._control[_EPOCH_SLOT]) < my_epoch
+            if not running or not (flags & FLAG_PENDING or planning_behind):
+                return "source"
+            if deadline is None:
+                deadline = time.monotonic() + self.wait_timeout
+                self._count("waits")
+            elif time.monotonic() > deadline:
+                self._warn_once(
+                    "wait",
+                    f"shard {shard} was not staged within {self.wait_timeout:.0f} s; reading it from source",
+                )
+                return "source"
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    def _tier_path(self, tier: str, shard: int) -> Path:
+        if tier == "ram":
+            return self._ram_shards / _shard_name(shard)
+        if tier == "local" and self._local_shards is not None:
+            return self._local_shards / _shard_name(shard)
+        return self.source_paths[shard]
+
+    def _cached_map(self, shard: int) -> memoryview | None:
+        entry = self._maps.get(shard)
+        if entry is None:
+            return None
+        tier, view = entry
+        flags = int(self._flags[shard])
+        still_there = (tier == "ram" and flags & FLAG_RAM) or (tier == "local" and flags & FLAG_LOCAL)
+        if tier == "source" or still_there:
+            self._maps.move_to_end(shard)
+            return view
+        del self._maps[shard]  # evicted from that tier: drop the mapping so its memory can be freed
+        return None
+
+    def _remember(self, shard: int, tier: str, view: memoryview) -> memoryview:
+        self._maps[shard] = (tier, view)
+        while len(self._maps) > self.max_open:
+            self._maps.popitem(last=False)
+        return view
+
+    def _map_file(self, path: Path) -> memoryview:
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size == 0:
+                return memoryview(b"")
+            return memoryview(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
+
+    def shard_buffer(self, shard: int) -> memoryview:
+        """The whole shard's bytes: mapped from RAM or local disk, else read from the source (counted)."""
+        view = self._cached_map(shard)
+        if view is not None:
+            return view
+        for _ in range(3):
+            tier = self._resolve(shard)
+            if tier == "source":
+                data = self.source_paths[shard].read_bytes()
+                self._count("source_reads")
+                self._count("source_bytes", len(data))
+                return self._remember(shard, "source", memoryview(data))
+            try:
+                view = self._map_file(self._tier_path(tier, shard))
+            except FileNotFoundError:
+                continue  # evicted between the flag check and the open: look again
+            self._count(f"{tier}_opens")
+            return self._remember(shard, tier, view)
+        return self._remember(shard, "source", memoryview(self.source_paths[shard].read_bytes()))
+
+    def read_range(self, shard: int, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset`` of a shard: from a staged copy, else one source read (counted)."""
+        view = self._cached_map(shard)
+        if view is None and self._resolve(shard) != "source":
+            view = self.shard_buffer(shard)
+        if view is not None:
+            if offset + length > len(view):
+                raise KaisokuError(
+                    f"{self.source_paths[shard]}: record at {offset}+{length} is past the shard's end"
+                )
+            return bytes(view[offset : offset + length])
+        fd = self._source_fds.get(shard)
+        if fd is None:
+            fd = os.open(self.source_paths[shard], os.O_RDONLY)
+            self._source_fds[shard] = fd
+            while len(self._source_fds) > 16:
+                os.close(self._source_fds.popitem(last=False)[1])
+        data = os.pread(fd, length, offset)
+        if len(data) != length:
+            raise KaisokuError(
+                f"{self.source_paths[shard]}: record at {offset}+{length} is past the shard's end"
+            )
+        self._count("source_reads")
+        self._count("source_bytes", length)
+        return data
+
+    def node_stats(self) -> dict[str, int]:
+        """Counters summed over the node's readers and its stager (source reads, bytes, tier hits...)."""
+        totals = np.asarray(self._counters).sum(axis=0)
+        return {name: int(totals[i]) for i, name in enumerate(COUNTERS)}
+
+    def stats(self) -> dict[str, int]:
+        """This rank's reader counters."""
+        row = np.asarray(self._counters[self.local_rank])
+        return {name: int(row[i]) for i, name in enumerate(COUNTERS)}
+
+    def tiers_enabled(self) -> dict[str, bool]:
+        """Which tiers are staging (a full or unwritable tier switches itself off)."""
+        return {"ram": bool(self._control[_RAM_ON_SLOT]), "local": bool(self._control[_LOCAL_ON_SLOT])}
+
+    # ---------------------------------------------------------------- stager (local rank 0)
+
+    def start_staging(
+        self,
+        trace_of_epoch: Callable[[int, int], Trace],
+        *,
+        first_epoch: int,
+        start_step: int = 0,
+        num_epochs: int | None = None,
+    ) -> None:
+        """Start the node's stager thread (local rank 0 only) from ``first_epoch`` at ``start_step``.
+
+        ``trace_of_epoch(epoch, start_step)`` gives the node's accesses (:func:`sampler_trace_fn`).
+        Each epoch is planned with the next one as look-ahead, until ``num_epochs`` (None: until closed).
+        """
+        if self.local_rank != 0:
+            raise KaisokuError("only local rank 0 runs the node's stager")
+        if self._thread is not None:
+            raise KaisokuError("the stager is already running")
+        if self.ram_capacity == 0 and self.local_capacity == 0:
+            return
+        self.shard_bytes = np.array([os.stat(p).st_size for p in self.source_paths], dtype=np.int64)
+        self._control[_STATE_SLOT] = _STATE_RUNNING
+        self._thread = threading.Thread(
+            target=self._stage,
+            args=(trace_of_epoch, first_epoch, start_step, num_epochs),
+            name="kaisoku-stager",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def wait_staged(self, epoch: int, timeout: float = 60.0) -> bool:
+        """Block until the stager has executed every action of ``epoch``'s plan (or stopped)."""
+        deadline = time.monotonic() + timeout
+        with self._staged:
+            while self._staged_epoch < epoch and self._thread is not None and self._thread.is_alive():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._staged.wait(remaining)
+        return self._staged_epoch >= epoch
+
+    def _stage(
+        self,
+        trace_of_epoch: Callable[[int, int], Trace],
+        first_epoch: int,
+        start_step: int,
+        num_epochs: int | None,
+    ) -> None:
+        stager_row = self.ranks_per_node
+        resident: dict[str, list[int]] = {"local": [], "ram": []}
+        last_use: dict[int, int] = {}
+        state = _STATE_DONE
+        try:
+            epoch, start = first_epoch, start_step
+            while not self._stop.is_set() and (num_epochs is None or epoch < num_epochs):
+                trace = trace_of_epoch(epoch, start)
+                has_next = num_epochs is None or epoch + 1 < num_epochs
+                combined = trace.then(trace_of_epoch(epoch + 1, 0)) if has_next and len(trace) else trace
+                if not self._run_epoch(epoch, trace, combined, resident, last_use, stager_row):
+                    break
+                for shard, step in zip(trace.shards.tolist(), trace.steps.tolist()):
+                    last_use[shard] = progress_ticket(epoch, step)
+                with self._staged:
+                    self._staged_epoch = epoch
+                    self._staged.notify_all()
+                epoch, start = epoch + 1, 0
+        except Exception:
+            state = _STATE_FAILED
+            log.exception("the node's stager failed; training goes on reading from %s", "the source")
+        finally:
+            self._control[_STATE_SLOT] = state
+            for shard in range(self.num_shards):
+                self._flags[shard] &= ~FLAG_PENDING & 0xFF
+            with self._staged:
+                self._staged.notify_all()
+
+    def _tier_on(self, tier: str) -> bool:
+        return bool(self._control[_RAM_ON_SLOT if tier == "ram" else _LOCAL_ON_SLOT])
+
+    def _set_flags(self, shard: int, resident: dict[str, list[int]], pending: dict[int, int]) -> None:
+        flags = (FLAG_RAM if shard in resident["ram"] else 0) | (
+            FLAG_LOCAL if shard in resident["local"] else 0
+        )
+        if not flags and pending.get(shard, 0) > 0:
+            flags = FLAG_PENDING
+        self._flags[shard] = flags
+
+    def _run_epoch(
+        self,
+        epoch: int,
+        trace: Trace,
+        combined: Trace,
+        resident: dict[str, list[int]],
+        last_use: dict[int, int],
+        stager_row: int,
+    ) -> bool:
+        """Plan ``epoch`` for every staging tier and execute the plans; False if the cache is closing."""
+        capacities = {"local": self.local_capacity, "ram": self.ram_capacity}
+        tiers = [t for t in ("local", "ram") if capacities[t] > 0 and self._tier_on(t)]
+        merged: list[tuple[int, int, int, str, StagingAction]] = []
+        for rank, tier in enumerate(tiers):
+            plan = plan_staging(
+                combined, capacities[tier], self.shard_bytes, initial=resident[tier], horizon=len(trace)
+            )
+            merged.extend((a.position, rank, n, tier, a) for n, a in enumerate(plan.actions))
+        # Per position: local-tier actions first, so a RAM load can copy the shard just written locally.
+        merged.sort(key=lambda item: item[:3])
+        actions = [(tier, action) for *_, tier, action in merged]
+        pending = self._pending_loads(actions)
+        for shard in pending:
+            self._set_flags(shard, resident, pending)
+        self._control[_EPOCH_SLOT] = epoch
+        for index, (tier, action) in enumerate(actions):
+            if self._stop.is_set():
+                return False
+            if not self._tier_on(tier):
+                continue
+            if action.kind == "load":
+                pending[action.shard] -= 1
+            if action.kind == "evict":
+                if action.after_step >= 0:
+                    gate = progress_ticket(epoch, action.after_step)
+                else:
+                    gate = last_use.get(action.shard, -1)
+                if not self._wait_progress(gate):
+                    return False
+                self._tier_path(tier, action.shard).unlink(missing_ok=True)
+                resident[tier].remove(action.shard)
+            elif action.kind == "load":
+                if self._load(tier, action.shard, resident, stager_row):
+                    resident[tier].append(action.shard)
+                else:
+                    # The tier is full or unwritable: forget its remaining loads so no reader waits on them.
+                    self._control[_RAM_ON_SLOT if tier == "ram" else _LOCAL_ON_SLOT] = 0
+                    stale = set(pending)
+                    pending = self._pending_loads(actions[index + 1 :])
+                    for shard in stale | set(pending):
+                        self._set_flags(shard, resident, pending)
+                    continue
+            self._set_flags(action.shard, resident, pending)
+            self.stager_log.append((epoch, tier, action.event()))
+        return True
+
+    def _pending_loads(self, actions: Sequence[tuple[str, StagingAction]]) -> dict[int, int]:
+        """Loads still to come per shard, in tiers that are staging."""
+        pending: dict[int, int] = {}
+        for tier, action in actions:
+            if action.kind == "load" and self._tier_on(tier):
+                pending[action.shard] = pending.get(action.shard, 0) + 1
+        return pending
+
+    def _wait_progress(self, gate: int) -> bool:
+        """Wait until every rank of the node has passed ticket ``gate``; False if the cache is closing."""
+        if gate < 0:
+            return True
+        delay = 0.001
+        while int(np.asarray(self._progress).min()) <= gate:
+            if self._stop.wait(delay):
+                return False
+            delay = min(delay * 2, 0.02)
+        return True
+
+    def _load(self, tier: str, shard: int, resident: dict[str, list[int]], stager_row: int) -> bool:
+        """Copy one whole shard into ``tier``; False (after one warning) if the tier cannot take it.
+
+        A failure to read the source is raised (it is not the cache's to hide); a failure to write the
+        tier switches the tier off.
+        """
+        from_local = tier == "ram" and shard in resident["local"]
+        source = self._tier_path("local", shard) if from_local else self.source_paths[shard]
+        target = self._tier_path(tier, shard)
+        tmp = target.with_name(f".{target.name}.tmp")
+        copied = 0
+        with open(source, "rb") as src:
+            try:
+                dst = open(tmp, "wb")  # noqa: SIM115 - closed below on every path
+            except OSError as error:
+                return self._tier_failed(tier, error)
+            try:
+                with dst:
+                    while chunk := src.read(_COPY_CHUNK):
+                        dst.write(chunk)
+                        copied += len(chunk)
+                os.replace(tmp, target)
+            except OSError as error:
+                tmp.unlink(missing_ok=True)
+                return self._tier_failed(tier, error)
+        if not from_local:
+            self._count("source_reads", 1, stager_row)
+            self._count("source_bytes", copied, stager_row)
+        self._count("staged_bytes", copied, stager_row)
+        return True
+
+    def _tier_failed(self, tier: str, error: OSError) -> bool:
+        where = self.ram_dir if tier == "ram" else self.local_dir
+        what = "full" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "not writable"
+        self._warn_once(tier, f"{tier} cache {where} is {what} ({error.strerror or error})")
+        return False
+
+    def close(self, remove_files: bool = True) -> None:
+        """Stop the stager, drop mappings; on local rank 0 also delete the staged files (by default)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+            self._thread = None
+        self._maps.clear()
+        for fd in self._source_fds.values():
+            os.close(fd)
+        self._source_fds.clear()
+        if self.local_rank == 0 and remove_files:
+            shutil.rmtree(self._ram_shards, ignore_errors=True)
+            if self._local_shards is not None:
+                shutil.rmtree(self._local_shards, ignore_errors=True)

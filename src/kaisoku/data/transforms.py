@@ -1,0 +1,243 @@
+"""Late decoding and augmentation: bytes -> HWC uint8 -> CHW uint8 -> batched tensors.
+
+Images travel through the loader as encoded bytes and are decoded in the worker that needs them
+(simplejpeg for JPEG, Pillow for the rest). Augmentation randomness is keyed by
+(seed, epoch, sample index) only, so a sample's crop does not depend on the worker, the rank or
+the world size. Normalisation happens on the batch, on whatever device it lives on, so that the
+loader ships uint8 (4x fewer bytes than float32).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import simplejpeg
+import torch
+from PIL import Image
+
+from kaisoku.errors import KaisokuError
+
+IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
+"""Per-channel mean of ImageNet RGB images, on a 0..1 scale."""
+
+IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
+"""Per-channel standard deviation of ImageNet RGB images, on a 0..1 scale."""
+
+_JPEG_MAGIC = b"\xff\xd8"
+# Attempts at a random crop before falling back to a centre crop, as in torchvision.
+_CROP_ATTEMPTS = 10
+
+
+def _describe(name: str) -> str:
+    return f"image {name!r}" if name else "image"
+
+
+def _decode_with_pillow(data: bytes, name: str) -> np.ndarray:
+    import io
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+            rgb = image.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as error:
+        raise KaisokuError(
+            f"cannot decode {_describe(name)} ({len(data)} bytes): {error}; "
+            "re-encode it as JPEG or PNG or remove it"
+        ) from None
+    return np.asarray(rgb)
+
+
+def decode_image(data: bytes | bytearray | memoryview, *, name: str = "", min_side: int = 0) -> np.ndarray:
+    """Decode encoded image bytes to an HWC uint8 RGB array.
+
+    JPEG goes through simplejpeg (libjpeg-turbo); PNG and every other format, and the rare JPEG
+    that simplejpeg refuses (CMYK, lossless), go through Pillow. Grayscale and palette images come
+    back with 3 channels. ``name`` (a file or record) is named in the error raised for bytes that
+    cannot be decoded. ``min_side`` > 0 lets simplejpeg decode a JPEG at a reduced DCT scale (1/2,
+    1/4, 1/8) as long as both sides stay >= ``min_side``: much faster for large photos that are
+    resized down anyway; 0 decodes at full size.
+    """
+    if len(data) >= 2 and bytes(data[:2]) == _JPEG_MAGIC:
+        try:
+            image = simplejpeg.decode_jpeg(
+                data,
+                colorspace="RGB",
+                min_height=min_side,
+                min_width=min_side,
+                strict=True,
+            )
+        except ValueError:
+            # Unsupported colour space or a damaged stream: Pillow decides which one it is.
+            pass
+        else:
+            return image
+    return _decode_with_pillow(bytes(data), name)
+
+
+@dataclass(kw_only=True, frozen=True)
+class AugmentSpec:
+    """How one image becomes a square CHW uint8 training or evaluation sample."""
+
+    size: int
+    """Side of the square output image, in pixels."""
+
+    train: bool = True
+    """True: random-resized-crop and random horizontal flip; False: resize the shorter side to
+    ``size`` and take the centre crop, with no randomness."""
+
+    scale: tuple[float, float] = (0.08, 1.0)
+    """Range of the crop area as a fraction of the image area (training only)."""
+
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    """Range of the crop aspect ratio, width / height, sampled log-uniformly (training only)."""
+
+    flip: bool = True
+    """Flip horizontally with probability 1/2 (training only)."""
+
+    def __post_init__(self) -> None:
+        if self.size <= 0:
+            raise KaisokuError(f"augment size must be a positive number of pixels, got {self.size}")
+        lo, hi = self.scale
+        if not 0 < lo <= hi <= 1:
+            raise KaisokuError(f"augment scale must satisfy 0 < low <= high <= 1, got {self.scale}")
+        rlo, rhi = self.ratio
+        if not 0 < rlo <= rhi:
+            raise KaisokuError(f"augment ratio must satisfy 0 < low <= high, got {self.ratio}")
+
+
+def augment_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    """The random generator for one sample's augmentation, a pure function of its key."""
+    return np.random.Generator(np.random.PCG64([seed, epoch, index]))
+
+
+def random_crop_box(
+    height: int, width: int, spec: AugmentSpec, rng: np.random.Generator
+) -> tuple[int, int, int, int]:
+    """A random-resized-crop box ``(left, top, right, bottom)`` inside a ``height`` x ``width`` image.
+
+    Area fraction from ``spec.scale``, aspect ratio log-uniform in ``spec.ratio``; after ten misses
+    the centre crop with the ratio clamped into range, as torchvision does.
+    """
+    area = height * width
+    log_lo, log_hi = math.log(spec.ratio[0]), math.log(spec.ratio[1])
+    for _ in range(_CROP_ATTEMPTS):
+        target_area = area * rng.uniform(spec.scale[0], spec.scale[1])
+        aspect = math.exp(rng.uniform(log_lo, log_hi))
+        crop_w = int(round(math.sqrt(target_area * aspect)))
+        crop_h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < crop_w <= width and 0 < crop_h <= height:
+            top = int(rng.integers(0, height - crop_h + 1))
+            left = int(rng.integers(0, width - crop_w + 1))
+            return left, top, left + crop_w, top + crop_h
+    in_ratio = width / height
+    if in_ratio < spec.ratio[0]:
+        crop_w, crop_h = width, int(round(width / spec.ratio[0]))
+    elif in_ratio > spec.ratio[1]:
+        crop_h, crop_w = height, int(round(height * spec.ratio[1]))
+    else:
+        crop_w, crop_h = width, height
+    top = (height - crop_h) // 2
+    left = (width - crop_w) // 2
+    return left, top, left + crop_w, top + crop_h
+
+
+def center_crop_box(height: int, width: int) -> tuple[float, float, float, float]:
+    """The centred square box ``(left, top, right, bottom)`` of side ``min(height, width)``.
+
+    Resizing this box to ``size`` x ``size`` equals resizing the shorter side to ``size`` and
+    cropping the centre, in one resampling pass.
+    """
+    side = min(height, width)
+    left = (width - side) / 2
+    top = (height - side) / 2
+    return left, top, left + side, top + side
+
+
+def _as_image(image: np.ndarray) -> np.ndarray:
+    """HWC RGB stays HWC; HW and HW1 grayscale become HW (Pillow mode L)."""
+    if image.dtype != np.uint8:
+        raise KaisokuError(f"augment expects a uint8 image, got dtype {image.dtype}")
+    if image.ndim == 3 and image.shape[2] == 1:
+        image = image[:, :, 0]
+    if not (image.ndim == 2 or (image.ndim == 3 and image.shape[2] == 3)):
+        raise KaisokuError(f"augment expects an HW, HW1 or HW3 image, got shape {image.shape}")
+    return image
+
+
+def _resize_box(image: np.ndarray, box: tuple[float, float, float, float], size: int) -> np.ndarray:
+    height, width = image.shape[:2]
+    if box == (0, 0, width, height) and height == size and width == size:
+        return image  # already the output: skip a resampling pass
+    resized = Image.fromarray(image).resize((size, size), Image.Resampling.BILINEAR, box=box)
+    return np.asarray(resized)
+
+
+def augment(image: np.ndarray, spec: AugmentSpec, *, seed: int, epoch: int, index: int) -> np.ndarray:
+    """Turn one HWC uint8 image into a C-contiguous CHW uint8 array of ``spec.size`` x ``spec.size``.
+
+    Training (``spec.train``): random-resized-crop then a random horizontal flip, drawn from a
+    generator keyed by ``(seed, epoch, index)`` alone. Evaluation: shorter side resized to
+    ``spec.size`` (bilinear, antialiased) and the centre crop, identical for every key.
+    Channels are kept: HWC RGB gives 3 x size x size, grayscale (HW or HW1, e.g. MNIST arrays)
+    gives 1 x size x size. (:func:`decode_image` always yields RGB.)
+    """
+    image = _as_image(image)
+    height, width = image.shape[:2]
+    flip = False
+    if spec.train:
+        rng = augment_rng(seed, epoch, index)
+        box: tuple[float, float, float, float] = random_crop_box(height, width, spec, rng)
+        flip = spec.flip and bool(rng.integers(0, 2))
+    else:
+        box = center_crop_box(height, width)
+    out = _resize_box(image, box, spec.size)
+    if flip:
+        out = out[:, ::-1]
+    if out.ndim == 2:
+        return np.ascontiguousarray(out[None])
+    return np.ascontiguousarray(out.transpose(2, 0, 1))
+
+
+def collate(samples: Sequence[tuple[np.ndarray, int] | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack ``(CHW uint8 image, label)`` pairs into a uint8 NCHW tensor and int64 labels.
+
+    ``None`` entries (records a dataset skipped as damaged, already logged and counted there) are
+    left out, so such a batch is smaller.
+    """
+    kept = [sample for sample in samples if sample is not None]
+    if not kept:
+        raise KaisokuError(
+            f"cannot collate a batch of {len(samples)} samples: none left after skipping damaged records"
+        )
+    images = np.stack([image for image, _ in kept])
+    labels = np.fromiter((int(label) for _, label in kept), dtype=np.int64, count=len(kept))
+    return torch.from_numpy(images), torch.from_numpy(labels)
+
+
+def normalize(
+    batch: torch.Tensor,
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Convert a uint8 NCHW batch (on any device) to ``dtype`` and normalise per channel.
+
+    ``mean`` and ``std`` are on the 0..1 scale; the result is ``(batch / 255 - mean) / std``.
+    """
+    if batch.ndim != 4:
+        raise KaisokuError(f"normalize expects an NCHW batch, got shape {tuple(batch.shape)}")
+    channels = batch.shape[1]
+    if len(mean) != channels or len(std) != channels:
+        raise KaisokuError(
+            f"normalize got {len(mean)} means and {len(std)} stds for {channels} channels; "
+            "give one of each per channel"
+        )
+    # Fold the 1/255 into the constants: one subtract and one multiply over the batch.
+    scale = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=dtype, device=batch.device)
+    shift = torch.tensor([255.0 * m for m in mean], dtype=dtype, device=batch.device)
+    out = batch.to(dtype)
+    out.sub_(shift.view(1, -1, 1, 1)).mul_(scale.view(1, -1, 1, 1))
+    return out

@@ -1,0 +1,1 @@
+"""Process groups, data parallelism, pipelines and meshes on torch.distributed."""

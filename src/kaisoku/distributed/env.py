@@ -1,0 +1,193 @@
+"""The world a rank runs in: rank, local rank and node from torchrun or Slurm; init and teardown.
+
+Process-group initialisation can start eagerly in a background thread so that rendezvous (and, on
+CUDA, communicator set-up with ``device_id``) overlaps model construction and data staging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from kaisoku.errors import KaisokuError
+
+
+@dataclass(frozen=True, kw_only=True)
+class World:
+    """Where this process sits: global rank and size, rank on its node, node index and count."""
+
+    rank: int = 0
+    """Global rank."""
+    world_size: int = 1
+    """Number of ranks."""
+    local_rank: int = 0
+    """Rank on this node."""
+    local_world_size: int = 1
+    """Ranks on this node."""
+    node: int = 0
+    """Index of this node."""
+    num_nodes: int = 1
+    """Number of nodes."""
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, which writes checkpoints and logs."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """True when there is more than one rank."""
+        return self.world_size > 1
+
+
+def inside_torchrun() -> bool:
+    """True in a process started by torchrun (torch.distributed.run)."""
+    return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+
+
+def inside_slurm_step() -> bool:
+    """True in a task of a multi-task Slurm step (srun), which is a world of its own."""
+    return "SLURM_STEP_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
+
+
+def world_from_env() -> World:
+    """The World described by torchrun's or Slurm's environment variables; a single rank otherwise."""
+    env = os.environ
+    if inside_torchrun():
+        world_size = int(env["WORLD_SIZE"])
+        local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
+        return World(
+            rank=int(env["RANK"]),
+            world_size=world_size,
+            local_rank=int(env["LOCAL_RANK"]),
+            local_world_size=local_world_size,
+            node=int(env.get("GROUP_RANK", int(env["RANK"]) // max(local_world_size, 1))),
+            num_nodes=max(1, world_size // max(local_world_size, 1)),
+        )
+    if inside_slurm_step():
+        world_size = int(env["SLURM_NTASKS"])
+        num_nodes = int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", "1")))
+        local_world_size = int(env.get("SLURM_NTASKS_PER_NODE", str(world_size // num_nodes)).split("(")[0])
+        return World(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=world_size,
+            local_rank=int(env.get("SLURM_LOCALID", "0")),
+            local_world_size=local_world_size,
+            node=int(env.get("SLURM_NODEID", "0")),
+            num_nodes=num_nodes,
+        )
+    return World()
+
+
+def _slurm_master_addr() -> str:
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "")
+    if not nodelist:
+        raise KaisokuError("under srun but SLURM_JOB_NODELIST is unset; set MASTER_ADDR to the first node")
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+        )
+        return out.stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        # A plain list such as "node1,node2" needs no scontrol.
+        return nodelist.split(",")[0]
+
+
+def pick_device(preference: str, world: World) -> torch.device:
+    """The device for this rank: ``cuda:<local rank>`` when asked for (or auto) and available, else CPU."""
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise KaisokuError("train.device is cuda but no CUDA device is visible; use --train.device cpu")
+    if preference in ("cuda", "auto") and torch.cuda.is_available():
+        return torch.device("cuda", world.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+class ProcessGroupInit:
+    """Initialise the default process group, now or in a background thread.
+
+    Start it before building the model; ``wait()`` before the first collective. On CUDA the NCCL
+    communicator is created eagerly by passing ``device_id`` to ``init_process_group``.
+    """
+
+    def __init__(
+        self, world: World, device: torch.device, timeout_s: float, *, background: bool = True
+    ) -> None:
+        self.world = world
+        self.device = device
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.error: BaseException | None = None
+        self.seconds: float = 0.0
+        self._thread: threading.Thread | None = None
+        if not world.distributed or dist.is_initialized():
+            return
+        if background:
+            self._thread = threading.Thread(target=self._run, name="kaisoku-pg-init", daemon=True)
+            self._thread.start()
+        else:
+            self._run()
+
+    def _run(self) -> None:
+        import time
+
+        start = time.perf_counter()
+        try:
+            if inside_slurm_step() and not inside_torchrun():
+                os.environ.setdefault("MASTER_ADDR", _slurm_master_addr())
+                os.environ.setdefault("MASTER_PORT", "29500")
+                os.environ.setdefault("RANK", str(self.world.rank))
+                os.environ.setdefault("WORLD_SIZE", str(self.world.world_size))
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+                dist.init_process_group("nccl", timeout=self.timeout, device_id=self.device)
+            else:
+                dist.init_process_group("gloo", timeout=self.timeout)
+        except BaseException as error:  # re-raised in wait(), on the main thread
+            self.error = error
+        self.seconds = time.perf_counter() - start
+
+    def wait(self) -> None:
+        """Block until the process group is ready; re-raise an initialisation failure."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.error is not None:
+            raise KaisokuError(f"could not join the process group: {self.error}") from self.error
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum a few floats over all ranks (one collective); identity on a single rank."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def barrier() -> None:
+    """Wait for every rank, where there is more than one."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """Send a picklable object from ``src`` to every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def shutdown() -> None:
+    """Leave the process group cleanly: a barrier, then destroy it."""
+    if dist.is_initialized():
+        try:
+            barrier()
+        finally:
+            dist.destroy_process_group()

@@ -1,0 +1,182 @@
+"""Parallel degrees (dp x pp) validated against the world, rank placement, and the DeviceMesh.
+
+A layout ``dp x pp`` runs ``dp`` replicas of a pipeline of ``pp`` stages. Ranks are placed so that the
+ranks of one pipeline sit on one node wherever the node has room for a whole pipeline: pipeline
+neighbours exchange activations and gradients every micro-batch, while the data-parallel all-reduce
+happens once per step, so it is the dimension that may cross nodes. When ``pp`` divides the ranks per
+node this is the usual row-major order (``rank = dp_index * pp + pp_index``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kaisoku.errors import ConfigError, KaisokuError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+#: Names of the mesh dimensions, outermost first.
+MESH_DIM_NAMES: tuple[str, str] = ("dp", "pp")
+
+_LAYOUT_TEXT = re.compile(r"^(?:dp(?P<dp>\d+))?(?:x?pp(?P<pp>\d+))?$")
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Parallel degrees: ``dp`` data-parallel replicas of a pipeline with ``pp`` stages.
+
+    ``dp * pp`` must equal the world size (see :meth:`check_world`).
+    """
+
+    dp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for name, value in (("dp", self.dp), ("pp", self.pp)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"parallel.{name} must be a positive integer, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks this layout occupies: ``dp * pp``."""
+        return self.dp * self.pp
+
+    def check_world(self, world_size: int) -> None:
+        """Raise a one-line :class:`ConfigError` unless ``dp * pp == world_size``."""
+        if self.world_size != world_size:
+            raise ConfigError(
+                f"parallel layout dp {self.dp} x pp {self.pp} = {self.world_size} but the world has "
+                f"{world_size} ranks; choose parallel.dp and parallel.pp whose product is {world_size}"
+            )
+
+    @classmethod
+    def resolve(cls, world_size: int, dp: int = -1, pp: int = 1) -> ParallelLayout:
+        """The layout for ``world_size`` ranks; ``dp = -1`` means "the ranks left": ``world_size // pp``."""
+        if dp == -1:
+            if pp < 1 or world_size % pp != 0:
+                raise ConfigError(
+                    f"parallel.pp {pp} does not divide the world of {world_size} ranks; "
+                    f"choose a pp that divides {world_size}"
+                )
+            dp = world_size // pp
+        layout = cls(dp=dp, pp=pp)
+        layout.check_world(world_size)
+        return layout
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelLayout:
+        """Read ``"dp2xpp2"``, ``"dp4"`` or ``"pp4"`` (a missing degree is 1)."""
+        match = _LAYOUT_TEXT.match(text.strip().lower())
+        if match is None or (match["dp"] is None and match["pp"] is None):
+            raise ConfigError(f"cannot read parallel layout '{text}'; write it like 'dp2xpp2', 'dp4' or 'pp4'")
+        return cls(dp=int(match["dp"] or 1), pp=int(match["pp"] or 1))
+
+    def __str__(self) -> str:
+        if self.pp == 1:
+            return f"dp{self.dp}"
+        if self.dp == 1:
+            return f"pp{self.pp}"
+        return f"dp{self.dp}xpp{self.pp}"
+
+
+def rank_grid(layout: ParallelLayout, ranks_per_node: int | None = None) -> list[list[int]]:
+    """Global ranks arranged as ``grid[dp_index][pp_index]``.
+
+    Ranks are numbered node by node (rank ``r`` lives on node ``r // ranks_per_node``, as torchrun and
+    Slurm number them). Each node first takes as many whole pipelines as fit in it, from consecutive ranks;
+    the ranks left over on all nodes, in rank order, then form the remaining pipelines, so the fewest
+    pipelines cross a node boundary. Pipelines are numbered (dp index) by their first rank. With
+    ``ranks_per_node`` unknown (None) every rank counts as one node's: plain row-major order.
+    """
+    world = layout.world_size
+    per_node = world if ranks_per_node is None else ranks_per_node
+    if per_node < 1:
+        raise KaisokuError(f"ranks per node must be at least 1, got {per_node}")
+    pipelines: list[list[int]] = []
+    leftovers: list[int] = []
+    for node_start in range(0, world, per_node):
+        node_ranks = list(range(node_start, min(node_start + per_node, world)))
+        whole = len(node_ranks) // layout.pp
+        pipelines.extend(node_ranks[k * layout.pp : (k + 1) * layout.pp] for k in range(whole))
+        leftovers.extend(node_ranks[whole * layout.pp :])
+    pipelines.extend(leftovers[k : k + layout.pp] for k in range(0, len(leftovers), layout.pp))
+    return sorted(pipelines, key=lambda ranks: ranks[0])
+
+
+def rank_coordinates(rank: int, layout: ParallelLayout, ranks_per_node: int | None = None) -> tuple[int, int]:
+    """``(dp_index, pp_index)`` of global ``rank`` under :func:`rank_grid`'s placement."""
+    if not 0 <= rank < layout.world_size:
+        raise KaisokuError(f"rank {rank} is outside the layout {layout} of {layout.world_size} ranks")
+    for dp_index, pipeline in enumerate(rank_grid(layout, ranks_per_node)):
+        if rank in pipeline:
+            return dp_index, pipeline.index(rank)
+    raise AssertionError("unreachable: every rank is placed")
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """A built layout on this rank: the DeviceMesh with dims ("dp", "pp") and this rank's place in it."""
+
+    layout: ParallelLayout
+    mesh: DeviceMesh
+    grid: tuple[tuple[int, ...], ...]
+    dp_index: int
+    pp_index: int
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """The ranks holding the same stage in every replica: gradients are averaged over it."""
+        return self.mesh.get_group("dp")
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        """The ranks of this rank's pipeline, in stage order."""
+        return self.mesh.get_group("pp")
+
+    def stage_owner(self, pp_index: int) -> int:
+        """The global rank that holds stage ``pp_index`` in replica 0 (the source when gathering)."""
+        return self.grid[0][pp_index]
+
+
+def build_mesh(
+    layout: ParallelLayout,
+    *,
+    ranks_per_node: int | None = None,
+    device_type: str = "cpu",
+    grid: list[list[int]] | None = None,
+) -> ParallelMesh:
+    """Build the DeviceMesh for ``layout`` on the initialised default process group (every rank calls it).
+
+    ``grid`` overrides the placement (``grid[dp_index][pp_index] = rank``); by default it comes from
+    :func:`rank_grid`. The row-major grid goes through ``init_device_mesh``; any other grid through
+    ``DeviceMesh`` with the explicit rank tensor. Both work on gloo with ``device_type="cpu"``.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    world_size = dist.get_world_size()
+    layout.check_world(world_size)
+    ranks = grid if grid is not None else rank_grid(layout, ranks_per_node)
+    if sorted(r for row in ranks for r in row) != list(range(world_size)) or any(
+        len(row) != layout.pp for row in ranks
+    ):
+        raise KaisokuError(f"rank grid {ranks} does not place each of the {world_size} ranks once as {layout}")
+    row_major = [list(range(d * layout.pp, (d + 1) * layout.pp)) for d in range(layout.dp)]
+    if ranks == row_major:
+        mesh = init_device_mesh(device_type, (layout.dp, layout.pp), mesh_dim_names=MESH_DIM_NAMES)
+    else:
+        mesh = DeviceMesh(device_type, torch.tensor(ranks), mesh_dim_names=MESH_DIM_NAMES)
+    rank = dist.get_rank()
+    dp_index, pp_index = next((d, row.index(rank)) for d, row in enumerate(ranks) if rank in row)
+    return ParallelMesh(
+        layout=layout,
+        mesh=mesh,
+        grid=tuple(tuple(row) for row in ranks),
+        dp_index=dp_index,
+        pp_index=pp_index,
+    )

@@ -1,0 +1,592 @@
+"""Pipeline stages on torch.distributed.pipelining, with data parallelism across pipeline replicas.
+
+A model's ordered blocks (:func:`kaisoku.models.blocks.ordered_blocks`) are split into contiguous stages
+balanced by parameter count or by measured time (:func:`partition_blocks`). Each rank of a pipeline
+runs its stage (or, for interleaved 1F1B, its ``virtual_stages`` stages) under a torch schedule; after
+the schedule the stage's gradients are averaged over the dp sub-group, explicitly, in one flat
+all-reduce. A layout with ``pp == 1`` is plain data parallelism: the replica batch runs in one piece.
+
+The loss of a step is the mean, over every replica and micro-batch, of ``loss_fn`` on that micro-batch;
+with a mean-reducing ``loss_fn`` and equal micro-batches that is the gradient of the whole global batch.
+
+BatchNorm policy (pipelines run micro-batches one at a time, so no normalisation can see the whole
+replica batch without stalling the pipeline):
+
+* each micro-batch is normalised with its own statistics, as a data-parallel replica whose batch is the
+  micro-batch would be ("ghost" batch norm); the forward and backward of a micro-batch do not depend on
+  the other micro-batches;
+* the running statistics are updated once per micro-batch with the momentum rescaled to
+  ``1 - (1 - momentum) ** (1 / m)``, so that one optimizer step moves them as far as one update with the
+  model's own momentum does, whatever the number ``m`` of micro-batches (a layout switch keeps the
+  running averages' horizon in steps);
+* replicas' running statistics are averaged over the dp group whenever the full state is gathered
+  (:meth:`HybridParallel.full_state_dict`); the update is linear, so averaging late equals averaging
+  every step.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from kaisoku.distributed.mesh import ParallelMesh
+from kaisoku.errors import ConfigError, KaisokuError
+from kaisoku.models.blocks import check_blocks_cover, ordered_blocks, state_names
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: Builds the optimizer of one rank from ``(name, parameter)`` pairs named as in the full model.
+OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
+
+#: Schedule names accepted by ``parallel.schedule``.
+SCHEDULE_NAMES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+#: Ways to weigh blocks when splitting a model into stages.
+BALANCE_NAMES: tuple[str, ...] = ("parameters", "time")
+
+_BASE_MOMENTUM = "_kaisoku_base_momentum"
+
+
+# --------------------------------------------------------------------------------------------------
+# Pure pieces: partition, micro-batch checks, BatchNorm momentum.
+# --------------------------------------------------------------------------------------------------
+
+
+def partition_blocks(costs: Sequence[float], num_stages: int) -> list[range]:
+    """Split blocks with ``costs`` into ``num_stages`` contiguous, non-empty stages.
+
+    Minimises the largest stage cost; among splits that reach it, prefers the smaller sum of squared
+    stage costs (so blocks that cost nothing do not all pile onto one stage). Deterministic.
+    """
+    n = len(costs)
+    if num_stages < 1:
+        raise ConfigError(f"the number of pipeline stages must be at least 1, got {num_stages}")
+    if num_stages > n:
+        raise ConfigError(
+            f"cannot split {n} blocks into {num_stages} pipeline stages; "
+            f"use at most {n} stages (parallel.pp x virtual stages)"
+        )
+    prefix = [0.0]
+    for cost in costs:
+        if cost < 0 or not math.isfinite(cost):
+            raise KaisokuError(f"block costs must be finite and non-negative, got {cost}")
+        prefix.append(prefix[-1] + float(cost))
+    inf = (math.inf, math.inf)
+    # best[k][i]: (largest stage cost, sum of squares) of the first i blocks in k stages; cut[k][i]: start of
+    # the last stage.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = (0.0, 0.0)
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                prev = best[k - 1][j]
+                if prev[0] == math.inf:
+                    continue
+                stage = prefix[i] - prefix[j]
+                candidate = (max(prev[0], stage), prev[1] + stage * stage)
+                if candidate < best[k][i]:
+                    best[k][i] = candidate
+                    cut[k][i] = j
+    bounds = [n]
+    for k in range(num_stages, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    bounds.reverse()
+    return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+
+
+def parameter_costs(blocks: Sequence[nn.Module]) -> list[float]:
+    """Each block's number of parameter elements (a parameter shared by blocks counts in the first)."""
+    seen: set[int] = set()
+    costs = []
+    for block in blocks:
+        total = 0
+        for p in block.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+        costs.append(float(total))
+    return costs
+
+
+def measure_block_costs(blocks: Sequence[nn.Module], example_input: torch.Tensor, repeats: int = 3) -> list[float]:
+    """Median seconds of forward + backward of each block on ``example_input`` flowing through the blocks.
+
+    Buffers (BatchNorm running statistics) are restored and gradients cleared afterwards, so measuring
+    leaves the model as it was.
+    """
+    buffers = [b for block in blocks for b in block.buffers()]
+    saved = [b.detach().clone() for b in buffers]
+    x = example_input
+    costs: list[float] = []
+    for block in blocks:
+        times = []
+        out = x
+        for _ in range(max(1, repeats)):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            start = time.perf_counter()
+            out = block(inp)
+            if out.requires_grad:
+                out.backward(torch.ones_like(out))
+            times.append(time.perf_counter() - start)
+        costs.append(statistics.median(times))
+        x = out.detach()
+    with torch.no_grad():
+        for buffer, value in zip(buffers, saved):
+            buffer.copy_(value)
+    for block in blocks:
+        for p in block.parameters():
+            p.grad = None
+    return costs
+
+
+def check_microbatches(batch_size: int, microbatches: int) -> int:
+    """The micro-batch size; a one-line :class:`KaisokuError` unless ``microbatches`` divides the batch."""
+    if microbatches < 1:
+        raise ConfigError(f"parallel.microbatches must be at least 1, got {microbatches}")
+    if batch_size % microbatches != 0:
+        raise KaisokuError(
+            f"a replica batch of {batch_size} samples does not split into {microbatches} equal micro-batches; "
+            f"make the per-replica batch a multiple of {microbatches} (or change parallel.microbatches)"
+        )
+    return batch_size // microbatches
+
+
+def check_schedule(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> None:
+    """One-line errors for a schedule the torch schedules would reject later, mid-run."""
+    if schedule not in SCHEDULE_NAMES:
+        raise ConfigError(f"unknown parallel.schedule '{schedule}'; choose one of: {', '.join(SCHEDULE_NAMES)}")
+    if microbatches < 1:
+        raise ConfigError(f"parallel.microbatches must be at least 1, got {microbatches}")
+    if virtual_stages < 1:
+        raise ConfigError(f"parallel.virtual_stages must be at least 1, got {virtual_stages}")
+    if virtual_stages > 1 and schedule != "interleaved-1f1b":
+        raise ConfigError(
+            f"parallel.virtual_stages {virtual_stages} needs parallel.schedule 'interleaved-1f1b', not '{schedule}'"
+        )
+    if pp > 1 and schedule == "1f1b" and microbatches < pp:
+        raise ConfigError(f"schedule 1f1b needs at least pp {pp} micro-batches, got parallel.microbatches {microbatches}")
+    if pp > 1 and schedule == "interleaved-1f1b":
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds != 0:
+            raise ConfigError(
+                f"schedule interleaved-1f1b runs {microbatches} micro-batches in {rounds} rounds of pp {pp}; "
+                f"choose parallel.microbatches as a multiple of {pp} or at most {pp}"
+            )
+
+
+def microbatch_momentum(momentum: float, microbatches: int) -> float:
+    """The per-micro-batch BatchNorm momentum that moves running statistics as far per step as ``momentum``."""
+    return 1.0 - (1.0 - momentum) ** (1.0 / microbatches)
+
+
+def apply_batchnorm_policy(module: nn.Module, microbatches: int) -> int:
+    """Set every BatchNorm's momentum for ``microbatches`` updates per step; return how many were set.
+
+    The model's own momentum is kept on the module, so applying the policy again (another layout, another
+    micro-batch count) starts from it; :func:`restore_batchnorm_momentum` puts it back.
+    """
+    count = 0
+    for bn in module.modules():
+        if isinstance(bn, nn.modules.batchnorm._BatchNorm):
+            base = getattr(bn, _BASE_MOMENTUM, bn.momentum)
+            setattr(bn, _BASE_MOMENTUM, base)
+            # momentum None is a cumulative average over all updates: already independent of m.
+            bn.momentum = None if base is None else microbatch_momentum(base, microbatches)
+            count += 1
+    return count
+
+
+def restore_batchnorm_momentum(module: nn.Module) -> None:
+    """Undo :func:`apply_batchnorm_policy`."""
+    for bn in module.modules():
+        if isinstance(bn, nn.modules.batchnorm._BatchNorm) and hasattr(bn, _BASE_MOMENTUM):
+            bn.momentum = getattr(bn, _BASE_MOMENTUM)
+            delattr(bn, _BASE_MOMENTUM)
+
+
+# --------------------------------------------------------------------------------------------------
+# Named optimizer state: the layout-independent form.
+# --------------------------------------------------------------------------------------------------
+
+
+def named_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with parameters named as in the full model instead of numbered."""
+    raw = optimizer.state_dict()
+    index_to_name: dict[int, str] = {}
+    index = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            index_to_name[index] = names[id(p)]
+            index += 1
+    groups = []
+    for raw_group in raw["param_groups"]:
+        groups.append({**raw_group, "params": [index_to_name[i] for i in raw_group["params"]]})
+    return {"state": {index_to_name[i]: value for i, value in raw["state"].items()}, "param_groups": groups}
+
+
+def load_named_optimizer_state(
+    optimizer: torch.optim.Optimizer, named: dict[str, Any], names: dict[int, str]
+) -> None:
+    """Load a :func:`named_optimizer_state` form (of this stage or of the whole model) into ``optimizer``.
+
+    Each of the optimizer's groups takes its hyperparameters from the saved group that holds its first
+    parameter; every parameter takes its saved state by name.
+    """
+    group_of = {name: group for group in named["param_groups"] for name in group["params"]}
+    groups = []
+    state: dict[int, Any] = {}
+    index = 0
+    for group in optimizer.param_groups:
+        group_names = [names[id(p)] for p in group["params"]]
+        source = group_of.get(group_names[0], group) if group_names else group
+        hyper = {key: value for key, value in source.items() if key != "params"}
+        ids = list(range(index, index + len(group_names)))
+        index += len(group_names)
+        groups.append({**hyper, "params": ids})
+        for i, name in zip(ids, group_names):
+            if name in named["state"]:
+                state[i] = named["state"][name]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _hyper_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    keys = set(a) - {"params"}
+    if keys != set(b) - {"params"}:
+        return False
+    for key in keys:
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def merge_named_optimizer_states(parts: Iterable[dict[str, Any]], order: Sequence[str]) -> dict[str, Any]:
+    """One named form from the stages' forms: groups with equal hyperparameters merged, names in ``order``."""
+    rank_of = {name: i for i, name in enumerate(order)}
+    state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    for part in parts:
+        state.update(part["state"])
+        for group in part["param_groups"]:
+            same = next((g for g in groups if _hyper_equal(g, group)), None)
+            if same is None:
+                groups.append({**group, "params": list(group["params"])})
+            else:
+                same["params"].extend(group["params"])
+    for group in groups:
+        group["params"].sort(key=lambda name: rank_of.get(name, len(rank_of)))
+    ordered_state = {name: state[name] for name in sorted(state, key=lambda n: rank_of.get(n, len(rank_of)))}
+    return {"state": ordered_state, "param_groups": groups}
+
+
+# --------------------------------------------------------------------------------------------------
+# The trainer-facing object.
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HybridOptions:
+    """How a layout runs; the same options serve every layout of a switch schedule."""
+
+    microbatches: int = 4
+    """Micro-batches per replica batch in layouts with pp > 1 (pp = 1 runs the replica batch whole)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b or interleaved-1f1b."""
+    virtual_stages: int = 1
+    """Stages per rank for interleaved-1f1b (>= 2 to interleave); 1 for the other schedules."""
+    balance: str = "parameters"
+    """Weigh blocks by parameter count ("parameters") or by measured forward+backward time ("time")."""
+
+    def __post_init__(self) -> None:
+        if self.balance not in BALANCE_NAMES:
+            raise ConfigError(f"unknown parallel.balance '{self.balance}'; choose one of: {', '.join(BALANCE_NAMES)}")
+        check_schedule(self.schedule, 1, self.microbatches, self.virtual_stages)
+
+
+class StageModule(nn.Module):
+    """Consecutive blocks of a model run as one pipeline stage (the blocks are the model's own)."""
+
+    def __init__(self, blocks: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the blocks in order; the result is made contiguous, as point-to-point sends require."""
+        for block in self.blocks:
+            x = block(x)
+        return x.contiguous()
+
+
+class HybridParallel:
+    """``model`` trained under one layout: this rank's stage(s), their optimizer, the dp gradient average.
+
+    Every rank holds the whole ``model`` (built identically, or made identical here from rank 0 when
+    ``sync_initial_state``): that is what lets any layout be rebuilt from it. Gradients and optimizer state
+    exist only for this rank's stage. Every rank of a replica is handed the replica's batch; the first
+    stage reads the inputs, the last the targets.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: ParallelMesh,
+        *,
+        loss_fn: LossFn,
+        optimizer_factory: OptimizerFactory,
+        options: HybridOptions | None = None,
+        example_input: torch.Tensor | None = None,
+        device: torch.device | None = None,
+        sync_initial_state: bool = True,
+    ) -> None:
+        self.model = model
+        self.mesh = mesh
+        self.layout = mesh.layout
+        self.loss_fn = loss_fn
+        self.optimizer_factory = optimizer_factory
+        self.options = options or HybridOptions()
+        self.device = device or torch.device("cpu")
+        opts = self.options
+        pp = self.layout.pp
+        check_schedule(opts.schedule, pp, opts.microbatches, opts.virtual_stages)
+        if sync_initial_state:
+            for tensor in model.state_dict().values():
+                dist.broadcast(tensor, src=0)
+        self._names = state_names(model)
+        self._order = list(model.state_dict().keys())
+        self._schedules: dict[tuple[Any, ...], tuple[Any, list[Any]]] = {}
+
+        if pp == 1:
+            self.stage_indices: list[int] = [0]
+            self.stage_modules: list[nn.Module] = [model]
+            self.stage_ranges: list[range] = []
+        else:
+            blocks = ordered_blocks(model)
+            check_blocks_cover(model, blocks)
+            num_stages = pp * opts.virtual_stages
+            costs = self._block_costs(blocks, example_input)
+            self.stage_ranges = partition_blocks(costs, num_stages)
+            # Interleaved ("loop") placement: stage s lives on pipeline rank s % pp.
+            self.stage_indices = list(range(mesh.pp_index, num_stages, pp))
+            self.stage_modules = [
+                StageModule([blocks[i] for i in self.stage_ranges[s]]) for s in self.stage_indices
+            ]
+            for module in self.stage_modules:
+                apply_batchnorm_policy(module, opts.microbatches)
+        self.num_stages = pp * (opts.virtual_stages if pp > 1 else 1)
+        self.holds_first = 0 in self.stage_indices
+        self.holds_last = self.num_stages - 1 in self.stage_indices
+        self.named_parameters: list[tuple[str, nn.Parameter]] = self._stage_parameters()
+        self.optimizer = optimizer_factory(list(self.named_parameters))
+
+    # ---------------------------------------------------------------- properties and helpers
+
+    @property
+    def dp_index(self) -> int:
+        """This rank's replica: the data shard it trains on (shard count: ``dp_size``)."""
+        return self.mesh.dp_index
+
+    @property
+    def dp_size(self) -> int:
+        """The number of replicas: how many data shards a global batch is cut into."""
+        return self.layout.dp
+
+    def _stage_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        seen: set[int] = set()
+        named = []
+        for module in self.stage_modules:
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    named.append((self._names[id(p)], p))
+        order = {name: i for i, name in enumerate(self._order)}
+        return sorted(named, key=lambda item: order[item[0]])
+
+    def _stage_tensors(self) -> dict[str, torch.Tensor]:
+        tensors: dict[str, torch.Tensor] = {}
+        for module in self.stage_modules:
+            for tensor in module.state_dict(keep_vars=True).values():
+                name = self._names.get(id(tensor))
+                if name is not None:
+                    tensors[name] = tensor
+        return tensors
+
+    def _block_costs(self, blocks: list[nn.Module], example_input: torch.Tensor | None) -> list[float]:
+        if self.options.balance == "parameters":
+            return parameter_costs(blocks)
+        if example_input is None:
+            raise ConfigError("parallel.balance 'time' needs an example micro-batch to time the blocks")
+        # One rank measures (the others wait in the broadcast) so that every rank splits alike.
+        costs = torch.zeros(len(blocks), dtype=torch.float64)
+        if dist.get_rank() == 0:
+            costs = torch.tensor(measure_block_costs(blocks, example_input), dtype=torch.float64)
+        dist.broadcast(costs, src=0)
+        return costs.tolist()
+
+    def _build_schedule(self, inputs: torch.Tensor) -> tuple[Any, list[Any]]:
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
+
+        opts = self.options
+        stages = [
+            PipelineStage(module, index, self.num_stages, self.device, group=self.mesh.pp_group)
+            for module, index in zip(self.stage_modules, self.stage_indices)
+        ]
+        if opts.schedule == "interleaved-1f1b":
+            schedule: Any = ScheduleInterleaved1F1B(stages, opts.microbatches, loss_fn=self.loss_fn)
+        else:
+            single = ScheduleGPipe if opts.schedule == "gpipe" else Schedule1F1B
+            schedule = single(stages[0], opts.microbatches, loss_fn=self.loss_fn)
+        return schedule, stages
+
+    # ---------------------------------------------------------------- training
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Forward and backward of this replica's batch; gradients averaged over the replicas.
+
+        Returns the step's loss, the same on every rank: the mean over replicas and micro-batches.
+        """
+        batch = int(targets.shape[0])
+        if int(inputs.shape[0]) != batch:
+            raise KaisokuError(f"inputs hold {inputs.shape[0]} samples but targets {batch}")
+        if self.layout.pp == 1:
+            loss = self.loss_fn(self.model(inputs), targets)
+            loss.backward()
+            local = loss.detach().reshape(1).to(torch.float64)
+        else:
+            local = self._pipeline_step(inputs, targets)
+        self._average_gradients()
+        # Only last-stage ranks hold a loss; one small world all-reduce hands it to everyone.
+        dist.all_reduce(local)
+        return float(local.item()) / self.layout.dp
+
+    def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        m = self.options.microbatches
+        size = check_microbatches(int(targets.shape[0]), m)
+        key = (tuple(inputs.shape), inputs.dtype)
+        if key not in self._schedules:
+            # Stage metadata (shapes) is fixed at the first step of a schedule: one per batch shape.
+            self._schedules[key] = self._build_schedule(inputs)
+        schedule, _ = self._schedules[key]
+        kwargs: dict[str, Any] = {}
+        losses: list[torch.Tensor] = []
+        if self.holds_first:
+            kwargs["arg_mbs"] = [(inputs[i * size : (i + 1) * size].to(self.device),) for i in range(m)]
+        if self.holds_last:
+            kwargs["target_mbs"] = [targets[i * size : (i + 1) * size].to(self.device) for i in range(m)]
+            kwargs["losses"] = losses
+        schedule.step(return_outputs=False, **kwargs)
+        if self.holds_last:
+            return torch.stack([loss.detach() for loss in losses]).mean().reshape(1).to(torch.float64).cpu()
+        return torch.zeros(1, dtype=torch.float64)
+
+    def _average_gradients(self) -> None:
+        if self.layout.dp == 1:
+            return
+        params = [p for _, p in self.named_parameters]
+        for p in params:
+            if p.grad is None:
+                # Keep the flat buffer the same on every replica even if a parameter went unused.
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.mesh.dp_group)
+        flat.div_(self.layout.dp)
+        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the whole model's gradient norm (over every stage) to ``max_norm``; return the norm."""
+        grads = [p.grad for _, p in self.named_parameters if p.grad is not None]
+        squares = torch.zeros(1, dtype=torch.float64)
+        for grad in grads:
+            squares += grad.detach().double().pow(2).sum().cpu()
+        if self.layout.pp > 1:
+            dist.all_reduce(squares, group=self.mesh.pp_group)
+        norm = float(squares.sqrt().item())
+        if norm > max_norm:
+            for grad in grads:
+                grad.mul_(max_norm / (norm + 1e-6))
+        return norm
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, max_grad_norm: float | None = None) -> float:
+        """One optimizer step on this replica's batch; returns the step's loss (same on every rank)."""
+        loss = self.forward_backward(inputs, targets)
+        if max_grad_norm is not None:
+            self.clip_grad_norm_(max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    # ---------------------------------------------------------------- state
+
+    def sync_buffers(self) -> None:
+        """Average floating-point buffers (BatchNorm running statistics) of this stage over the replicas."""
+        if self.layout.dp == 1:
+            return
+        buffers = [
+            t for name, t in self._stage_tensors().items() if t.is_floating_point() and not isinstance(t, nn.Parameter)
+        ]
+        if not buffers:
+            return
+        flat = _flatten_dense_tensors([b.detach() for b in buffers])
+        dist.all_reduce(flat, group=self.mesh.dp_group)
+        flat.div_(self.layout.dp)
+        with torch.no_grad():
+            for buffer, reduced in zip(buffers, _unflatten_dense_tensors(flat, buffers)):
+                buffer.copy_(reduced)
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Gather the whole model and optimizer state, named as in the model, onto every rank.
+
+        Afterwards ``self.model`` holds the current weights on every rank (use it to evaluate). The result
+        does not depend on the layout: ``{"model": state_dict, "optimizer": named form, "layout": str}``.
+        """
+        self.sync_buffers()
+        mine: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+        if self.dp_index == 0:
+            tensors = {name: t.detach().cpu().clone() for name, t in self._stage_tensors().items()}
+            mine = (tensors, named_optimizer_state(self.optimizer, self._names))
+        model_state = {name: t.detach().cpu().clone() for name, t in self.model.state_dict().items()}
+        parts: list[dict[str, Any]] = []
+        for pp_index in range(self.layout.pp):
+            box: list[Any] = [mine if self.mesh.pp_index == pp_index else None]
+            dist.broadcast_object_list(box, src=self.mesh.stage_owner(pp_index))
+            tensors, named = box[0]
+            model_state.update(tensors)
+            parts.append(named)
+        ordered = {name: model_state[name] for name in self._order}
+        self.model.load_state_dict(ordered)
+        return {
+            "model": ordered,
+            "optimizer": merge_named_optimizer_states(parts, self._order),
+            "layout": str(self.layout),
+        }
+
+    def load_full_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a :meth:`full_state_dict` (from any layout) on every rank."""
+        self.model.load_state_dict(state["model"])
+        load_named_optimizer_state(self.optimizer, state["optimizer"], self._names)
+
+    def close(self) -> None:
+        """Give the model back as it was built (BatchNorm momentum restored); drop stages and optimizer."""
+        for module in self.stage_modules:
+            restore_batchnorm_momentum(module)
+        self._schedules.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.model.parameters():
+            p.grad = None

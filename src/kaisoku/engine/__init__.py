@@ -1,0 +1,1 @@
+"""The training engine: trainer, checkpoints, metrics."""

@@ -1,0 +1,130 @@
+"""Run metrics: a rich progress bar, JSONL lines, optional TensorBoard, and the closing summary table."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak memory of this process: CUDA max allocated on a GPU, else the resident-set high-water mark."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class MetricsLogger:
+    """Writes one JSON object per line to ``metrics.jsonl`` and drives the progress bar (rank 0 only).
+
+    On other ranks every method is a no-op, so the trainer can call it unconditionally.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path | None,
+        *,
+        enabled: bool,
+        total_steps: int,
+        progress: bool,
+        tensorboard: bool,
+    ) -> None:
+        self.enabled = enabled
+        self._file = None
+        self._progress = None
+        self._task = None
+        self._tb = None
+        if not enabled:
+            return
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+            if tensorboard:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+                except ImportError:
+                    print("kaisoku: tensorboard is not installed; pip install tensorboard", file=sys.stderr)
+                else:
+                    self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        if progress:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]:.4f}"),
+                TextColumn("{task.fields[rate]:.0f} samples/s"),
+                TimeRemainingColumn(),
+                transient=False,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=total_steps, loss=float("nan"), rate=0.0)
+
+    def advance(self, step: int, *, loss: float | None = None, rate: float | None = None) -> None:
+        """Move the progress bar to ``step``."""
+        if self._progress is not None and self._task is not None:
+            fields: dict[str, Any] = {}
+            if loss is not None:
+                fields["loss"] = loss
+            if rate is not None:
+                fields["rate"] = rate
+            self._progress.update(self._task, completed=step, **fields)
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Append one metrics line (and its scalars to TensorBoard)."""
+        if not self.enabled:
+            return
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        if self._tb is not None:
+            step = int(record.get("step", 0))
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, step)
+
+    def message(self, text: str) -> None:
+        """Print a line above the progress bar."""
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.console.print(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        """Stop the progress bar and close the files."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    """Print the end-of-run summary as a table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="kaisoku train: summary")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    Console().print(table)

@@ -1,0 +1,1 @@
+"""Model builders over torchvision and small reference models."""

@@ -1,0 +1,105 @@
+"""Model builders: torchvision ResNets (with a small-image stem) and a small CNN for digit-sized inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
+
+from kaisoku.errors import ConfigError
+
+_RESNETS: dict[str, tuple[type[BasicBlock] | type[Bottleneck], list[int]]] = {
+    "resnet10": (BasicBlock, [1, 1, 1, 1]),
+    "resnet18": (BasicBlock, [2, 2, 2, 2]),
+    "resnet34": (BasicBlock, [3, 4, 6, 3]),
+    "resnet50": (Bottleneck, [3, 4, 6, 3]),
+}
+
+
+def build_resnet(
+    name: str,
+    *,
+    num_classes: int,
+    stem: str = "imagenet",
+    zero_init_residual: bool = True,
+    bn_momentum: float = 0.1,
+    in_channels: int = 3,
+) -> ResNet:
+    """A torchvision ResNet; ``stem="small"`` swaps the 7x7/2 conv and max-pool for a 3x3/1 conv.
+
+    ``zero_init_residual`` starts the last BatchNorm gamma of each residual block at zero (each block
+    begins as the identity), a standard part of the large-batch recipe.
+    """
+    block, layers = _RESNETS[name]
+    model = ResNet(block, layers, num_classes=num_classes, zero_init_residual=zero_init_residual)
+    if stem == "small" or in_channels != 3:
+        kernel, stride = (3, 1) if stem == "small" else (7, 2)
+        model.conv1 = nn.Conv2d(in_channels, 64, kernel, stride, kernel // 2, bias=False)
+        nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
+        if stem == "small":
+            model.maxpool = nn.Identity()
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.momentum = bn_momentum
+    return model
+
+
+class SmallCNN(nn.Module):
+    """A BatchNorm CNN for 28x28 digits: three conv blocks and a linear head."""
+
+    def __init__(self, *, num_classes: int = 10, in_channels: int = 1, width: int = 32) -> None:
+        super().__init__()
+
+        def block(cin: int, cout: int) -> nn.Sequential:
+            return nn.Sequential(
+                nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+                nn.BatchNorm2d(cout),
+                nn.ReLU(inplace=True),
+                nn.MaxPool2d(2),
+            )
+
+        self.features = nn.Sequential(
+            block(in_channels, width), block(width, 2 * width), block(2 * width, 4 * width)
+        )
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * width, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Class logits for a batch of images."""
+        return self.head(self.features(x))
+
+
+def _resnet_builder(name: str) -> Callable[..., nn.Module]:
+    def build(**kwargs: object) -> nn.Module:
+        return build_resnet(name, **kwargs)  # type: ignore[arg-type]
+
+    return build
+
+
+#: Model name -> builder taking num_classes, stem, zero_init_residual, bn_momentum, in_channels.
+MODELS: dict[str, Callable[..., nn.Module]] = {name: _resnet_builder(name) for name in _RESNETS}
+
+
+def build_model(
+    name: str,
+    *,
+    num_classes: int,
+    stem: str = "imagenet",
+    zero_init_residual: bool = True,
+    bn_momentum: float = 0.1,
+    in_channels: int = 3,
+) -> nn.Module:
+    """Build model ``name``; an unknown name is a ConfigError listing the choices."""
+    if name == "small-cnn":
+        return SmallCNN(num_classes=num_classes, in_channels=in_channels)
+    if name not in MODELS:
+        choices = ", ".join([*MODELS, "small-cnn"])
+        raise ConfigError(f"model.name: unknown model '{name}'; choose one of: {choices}")
+    return MODELS[name](
+        num_classes=num_classes,
+        stem=stem,
+        zero_init_residual=zero_init_residual,
+        bn_momentum=bn_momentum,
+        in_channels=in_channels,
+    )

@@ -1,0 +1,20 @@
+"""Optimizers, learning-rate schedules and their factory."""
+
+from __future__ import annotations
+
+from kaisoku.optim.factory import OPTIMIZERS, build_optimizer, build_scheduler, param_groups
+from kaisoku.optim.lars import LAMB, LARS, exclude_ndim_le_1
+from kaisoku.optim.schedules import WarmupSchedule, plot_schedule, schedule_factor
+
+__all__ = [
+    "LAMB",
+    "LARS",
+    "OPTIMIZERS",
+    "WarmupSchedule",
+    "build_optimizer",
+    "build_scheduler",
+    "exclude_ndim_le_1",
+    "param_groups",
+    "plot_schedule",
+    "schedule_factor",
+]

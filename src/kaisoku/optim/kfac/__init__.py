@@ -1,0 +1,25 @@
+"""K-FAC: Kronecker-factored approximate curvature, a preconditioner in front of any base optimizer.
+
+``KFAC(model, ...)`` hooks Linear, Conv2d and BatchNorm layers, keeps running-average factors, and
+``KFAC.step()`` replaces their gradients with preconditioned ones. Factor statistics are summed over the
+data-parallel ranks; decompositions are spread over the ranks by ``greedy_assignment``.
+"""
+
+from __future__ import annotations
+
+from kaisoku.optim.kfac.assignment import bucket_plan, decomposition_cost, greedy_assignment, rank_loads
+from kaisoku.optim.kfac.layers import SingularFactorError
+from kaisoku.optim.kfac.preconditioner import BN_MODES, KFAC, MEMORY_MODES, METHODS, KFACWarning
+
+__all__ = [
+    "BN_MODES",
+    "KFAC",
+    "KFACWarning",
+    "MEMORY_MODES",
+    "METHODS",
+    "SingularFactorError",
+    "bucket_plan",
+    "decomposition_cost",
+    "greedy_assignment",
+    "rank_loads",
+]

@@ -1,0 +1,510 @@
+"""``KFAC``: a Kronecker-factored preconditioner in front of any base optimizer, data-parallel aware."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from kaisoku.errors import ConfigError
+from kaisoku.optim.kfac.assignment import decomposition_cost, greedy_assignment, rank_loads
+from kaisoku.optim.kfac.distributed import (
+    BucketedAllReduce,
+    Communicator,
+    broadcast_from_owners,
+    resolve_group,
+)
+from kaisoku.optim.kfac.layers import (
+    BatchNormLayer,
+    Clock,
+    KFACLayer,
+    KroneckerLayer,
+    SingularFactorError,
+    classify,
+    damped_inverse,
+    precondition_eigen,
+    precondition_inverse,
+    symmetric_eigen,
+)
+
+logger = logging.getLogger("kaisoku.optim.kfac")
+
+IntSchedule = int | Callable[[int], int]
+FloatSchedule = float | Callable[[int], float]
+
+METHODS = ("eigen", "inverse")
+MEMORY_MODES = ("full", "owner")
+BN_MODES = ("diagonal", "unit", "skip")
+
+# How often a failing decomposition is retried with ten times the damping before the layer falls back
+# to its plain gradient for this step.
+_MAX_DAMPING_RAISES = 8
+# Damping a singular factor is raised to at least, when the configured damping is zero.
+_MIN_RAISED_DAMPING = 1e-6
+
+
+class KFACWarning(RuntimeWarning):
+    """A factor was singular or not finite; K-FAC raised damping or skipped the statistics."""
+
+
+def _at(schedule: IntSchedule | FloatSchedule, step: int) -> Any:
+    return schedule(step) if callable(schedule) else schedule
+
+
+class KFAC:
+    """Kronecker-factored approximate curvature preconditioner for Linear, Conv2d and BatchNorm layers.
+
+    Use it with any base optimizer::
+
+        kfac = KFAC(model, lr=lambda step: optimizer.param_groups[0]["lr"])
+        for batch in loader:
+            loss = criterion(model(batch.x), batch.y)   # the loss must be a mean over the batch
+            loss.backward()
+            kfac.step()          # p.grad <- preconditioned gradient
+            optimizer.step()
+            optimizer.zero_grad()
+
+    ``model`` may be wrapped in ``DistributedDataParallel``; the hooks go on the inner modules. The
+    gradients must already be averaged over the data-parallel ranks (DDP does that) before ``step()``;
+    the factor statistics are summed over the ranks here, so every rank holds the factors of the global
+    batch. With AMP the statistics are computed in float32 whatever the activation dtype; with a
+    ``GradScaler`` pass it as ``grad_scaler`` and call ``scaler.unscale_(optimizer)`` before ``step()``.
+
+    Damping: ``method="eigen"`` applies ``(G (x) A + damping I)^-1`` exactly (through the
+    eigendecompositions of A and G); ``method="inverse"`` applies
+    ``(G + sqrt(damping) I)^-1 dW (A + sqrt(damping) I)^-1`` (factored Tikhonov damping). BatchNorm
+    layers use ``(F + damping I)^-1`` on their diagonal or per-channel 2x2 Fisher.
+
+    Args:
+        model: the model (or DDP-wrapped model) whose layers to precondition.
+        factor_update_steps: update the running-average factors every this many steps (int or a
+            function of the step).
+        inv_update_steps: recompute the decompositions every this many steps (int or function).
+        damping: Tikhonov damping (float or function of the step).
+        factor_decay: weight of the old running average in each factor update, in [0, 1).
+        kl_clip: scale the update down so that ``lr^2 * sum(v . g) <= kl_clip``; None disables.
+        lr: the base optimizer's learning rate for KL clipping: a float, a function of the step, or the
+            optimizer itself (its first param group's ``lr`` is read at every step).
+        method: ``"eigen"`` or ``"inverse"``.
+        process_group: the data-parallel group; default the default group when one is initialized,
+            else a single process.
+        memory_mode: ``"full"`` (every rank keeps every decomposition; owners broadcast them after
+            each decomposition step) or ``"owner"`` (only a layer's owner keeps its decomposition and
+            broadcasts the preconditioned gradient at every step).
+        bn: ``"diagonal"`` or ``"unit"`` (unit-wise 2x2) Fisher for BatchNorm, or ``"skip"`` to leave
+            BatchNorm to the base optimizer.
+        skip_layers: module names or class names to leave to the base optimizer.
+        grad_scaler: the ``torch.amp.GradScaler`` in use, if any, so that G is built from unscaled
+            gradients.
+        bucket_cap_mb: size of the flat buffers the factor statistics are all-reduced in.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        factor_update_steps: IntSchedule = 1,
+        inv_update_steps: IntSchedule = 10,
+        damping: FloatSchedule = 1e-3,
+        factor_decay: FloatSchedule = 0.95,
+        kl_clip: float | None = 1e-3,
+        lr: FloatSchedule | torch.optim.Optimizer | None = None,
+        method: str = "eigen",
+        process_group: Any = None,
+        memory_mode: str = "full",
+        bn: str = "diagonal",
+        skip_layers: Iterable[str] = (),
+        grad_scaler: Any = None,
+        bucket_cap_mb: float = 25.0,
+    ) -> None:
+        if method not in METHODS:
+            raise ConfigError(f"K-FAC method must be one of {', '.join(METHODS)}, got '{method}'")
+        if memory_mode not in MEMORY_MODES:
+            raise ConfigError(
+                f"K-FAC memory_mode must be one of {', '.join(MEMORY_MODES)}, got '{memory_mode}'"
+            )
+        if bn not in BN_MODES:
+            raise ConfigError(f"K-FAC bn must be one of {', '.join(BN_MODES)}, got '{bn}'")
+        if kl_clip is not None and not kl_clip > 0:
+            raise ConfigError(f"K-FAC kl_clip must be positive or None, got {kl_clip}")
+        if kl_clip is not None and lr is None:
+            raise ConfigError(
+                f"K-FAC KL clipping (kl_clip={kl_clip}) needs the learning rate: pass lr= a float, a "
+                "function of the step or the base optimizer, or kl_clip=None"
+            )
+        if bucket_cap_mb <= 0:
+            raise ConfigError(f"K-FAC bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        self.factor_update_steps = factor_update_steps
+        self.inv_update_steps = inv_update_steps
+        self.damping = damping
+        self.factor_decay = factor_decay
+        self.kl_clip = kl_clip
+        self.lr = lr
+        self.method = method
+        self.memory_mode = memory_mode
+        self.bn = bn
+        self.grad_scaler = grad_scaler
+        self.comm: Communicator = resolve_group(process_group)
+        self._bucket_elements = max(1, int(bucket_cap_mb * 2**20 / 4))
+        self.steps = 0
+        self.clock = Clock()
+        self._refresh = False
+
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        skip = set(skip_layers)
+        self.layers: dict[str, KFACLayer] = {}
+        skipped: list[str] = []
+        for name, module in inner.named_modules():
+            if name in skip or type(module).__name__ in skip:
+                continue
+            layer_class, reason = classify(module, bn)
+            if layer_class is None:
+                if reason is not None:
+                    skipped.append(f"{name or '<root>'} ({reason})")
+                continue
+            if layer_class is BatchNormLayer:
+                layer: KFACLayer = BatchNormLayer(name, module, unit_wise=bn == "unit")
+            else:
+                layer = layer_class(name, module)
+            layer.register(self._collecting, self._grad_scale, self.clock)
+            self.layers[name] = layer
+        if skipped:
+            logger.warning(
+                "K-FAC leaves %d layer(s) of unsupported types to the base optimizer: %s",
+                len(skipped),
+                ", ".join(skipped),
+            )
+        self.skipped_layers = skipped
+
+        # Work items: one per factor in "full" mode (finer balance), one per layer in "owner" mode (the
+        # owner needs both factors to precondition).
+        self._kron = [layer for layer in self.layers.values() if isinstance(layer, KroneckerLayer)]
+        costs: dict[str, float] = {}
+        for layer in self._kron:
+            dims = [shape[0] for shape in layer.factor_shapes()]
+            if memory_mode == "owner":
+                costs[layer.name] = decomposition_cost(dims)
+            else:
+                for factor_name, dim in zip(layer.factor_names, dims):
+                    costs[f"{layer.name}#{factor_name}"] = decomposition_cost([dim])
+        self.work_costs = costs
+        self.assignment = greedy_assignment(costs, self.comm.world_size)
+        # name -> per factor: [eigenvectors, eigenvalues] or [inverse], or None when not held here.
+        self._decompositions: dict[str, list[list[torch.Tensor] | None]] = {
+            layer.name: [None, None] for layer in self._kron
+        }
+
+    # -- schedule ------------------------------------------------------------------------------------
+    def _collecting(self) -> bool:
+        return self.steps % max(1, int(_at(self.factor_update_steps, self.steps))) == 0
+
+    def _grad_scale(self) -> float:
+        if self.grad_scaler is None or not self.grad_scaler.is_enabled():
+            return 1.0
+        return float(self.grad_scaler.get_scale())
+
+    def _current_lr(self) -> float:
+        if isinstance(self.lr, torch.optim.Optimizer):
+            return float(self.lr.param_groups[0]["lr"])
+        return float(_at(self.lr, self.steps))
+
+    def owner(self, layer_name: str, factor_index: int) -> int:
+        """The rank that decomposes factor ``factor_index`` (0 = A, 1 = G) of a Kronecker layer."""
+        if self.memory_mode == "owner":
+            return self.assignment[layer_name]
+        return self.assignment[f"{layer_name}#{KroneckerLayer.factor_names[factor_index]}"]
+
+    def rank_loads(self) -> list[float]:
+        """Decomposition cost (sum of factor sizes cubed) each rank carries."""
+        return rank_loads(self.work_costs, self.assignment, self.comm.world_size)
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Cumulative seconds in ``factor`` (statistics and running averages), ``communication``,
+        ``decomposition`` and ``precondition`` since construction or ``reset_timings()``."""
+        return dict(self.clock.seconds)
+
+    def reset_timings(self) -> None:
+        """Zero the cumulative timings."""
+        self.clock.seconds.clear()
+
+    def remove_hooks(self) -> None:
+        """Detach K-FAC from the model."""
+        for layer in self.layers.values():
+            layer.remove_hooks()
+
+    # -- the step ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update factors and decompositions when due, then replace each layer's ``.grad`` with the
+        preconditioned, KL-clipped gradient. Call after ``backward()``, before ``optimizer.step()``."""
+        step = self.steps
+        damping = float(_at(self.damping, step))
+        factor_step = self._collecting()
+        inverse_step = step % max(1, int(_at(self.inv_update_steps, step))) == 0 or self._refresh
+        self._refresh = False
+        if factor_step:
+            self._update_factors(damping if inverse_step else None)
+        elif inverse_step:
+            for layer in self._kron:
+                self._decompose_owned(layer, damping)
+        if inverse_step and self.memory_mode == "full":
+            self._share_decompositions()
+        self._precondition_all(damping)
+        for layer in self.layers.values():
+            layer.reset_stats()
+        self.steps += 1
+
+    def _update_factors(self, decompose_damping: float | None) -> None:
+        """All-reduce the statistic sums and counts in buckets; blend each layer's factors as its bucket
+        arrives, decomposing the owned ones on a decomposition step while later buckets are in flight."""
+        start = time.perf_counter()
+        layers = list(self.layers.values())
+        items: list[list[torch.Tensor]] = []
+        for layer in layers:
+            tensors = [
+                torch.zeros(shape) if stat is None else stat
+                for stat, shape in zip(layer.stat_sums, layer.factor_shapes())
+            ]
+            tensors.append(torch.tensor(layer.stat_counts, dtype=torch.float32))
+            items.append(tensors)
+        reducer = BucketedAllReduce(items, self.comm, self._bucket_elements)
+        self.clock.add("communication", time.perf_counter() - start)
+        decompose_seconds = 0.0
+        for index, reduced in reducer:
+            layer = layers[index]
+            self._blend(layer, reduced[:-1], reduced[-1].tolist())
+            if decompose_damping is not None and isinstance(layer, KroneckerLayer):
+                t0 = time.perf_counter()
+                self._decompose_owned(layer, decompose_damping, timed=False)
+                decompose_seconds += time.perf_counter() - t0
+        self.clock.add("communication", reducer.wait_seconds)
+        self.clock.add("decomposition", decompose_seconds)
+        total = time.perf_counter() - start
+        self.clock.add("factor", max(0.0, total - reducer.wait_seconds - decompose_seconds))
+
+    def _blend(self, layer: KFACLayer, sums: list[torch.Tensor], counts: list[float]) -> None:
+        decay = float(_at(self.factor_decay, self.steps))
+        for index, (total, count) in enumerate(zip(sums, counts)):
+            if count <= 0:
+                continue
+            fresh = total / count
+            if not bool(torch.isfinite(fresh).all()):
+                warnings.warn(
+                    f"K-FAC: statistics of factor {layer.factor_names[index]} of layer '{layer.name}' "
+                    f"are not finite at step {self.steps}; this update of the factor is skipped",
+                    KFACWarning,
+                    stacklevel=3,
+                )
+                continue
+            old = layer.factors[index]
+            if old is None:
+                layer.factors[index] = fresh.clone()
+            elif not bool(torch.isfinite(old).all()):
+                layer.factors[index] = fresh.clone()
+                self._raise_floor(layer, float(_at(self.damping, self.steps)), "a factor was not finite")
+            else:
+                layer.factors[index] = old * decay + fresh * (1.0 - decay)
+
+    def _raise_floor(self, layer: KFACLayer, damping: float, why: str) -> float:
+        effective = max(damping, layer.damping_floor)
+        layer.damping_floor = max(10.0 * effective, _MIN_RAISED_DAMPING)
+        warnings.warn(
+            f"K-FAC: {why} in layer '{layer.name}' at step {self.steps}; its damping is raised to "
+            f"{layer.damping_floor:.3g}",
+            KFACWarning,
+            stacklevel=4,
+        )
+        return layer.damping_floor
+
+    def _decompose_owned(self, layer: KroneckerLayer, damping: float, timed: bool = True) -> None:
+        start = time.perf_counter()
+        held = self._decompositions[layer.name]
+        for index in range(2):
+            if self.owner(layer.name, index) != self.comm.rank:
+                continue
+            factor = layer.factors[index]
+            if factor is None:
+                continue
+            held[index] = self._decompose(layer, factor, damping)
+        if timed:
+            self.clock.add("decomposition", time.perf_counter() - start)
+
+    def _decompose(self, layer: KFACLayer, factor: torch.Tensor, damping: float) -> list[torch.Tensor]:
+        dim = factor.shape[0]
+        if self.method == "eigen":
+            try:
+                vectors, values = symmetric_eigen(factor)
+            except SingularFactorError as error:
+                self._raise_floor(layer, damping, f"eigendecomposition failed ({error})")
+                return [torch.eye(dim), torch.ones(dim)]
+            return [vectors, values]
+        effective = max(damping, layer.damping_floor)
+        for _ in range(_MAX_DAMPING_RAISES):
+            try:
+                return [damped_inverse(factor, math.sqrt(effective))]
+            except SingularFactorError as error:
+                effective = self._raise_floor(layer, damping, f"singular factor ({error})")
+        return [torch.eye(dim) / (1.0 + math.sqrt(effective))]
+
+    def _share_decompositions(self) -> None:
+        """Owners broadcast what they computed; afterwards every rank holds every decomposition."""
+        if not self.comm.distributed:
+            return
+        start = time.perf_counter()
+        per_rank: list[list[torch.Tensor]] = [[] for _ in range(self.comm.world_size)]
+        floors: list[tuple[KroneckerLayer, torch.Tensor]] = []
+        for layer in self._kron:
+            held = self._decompositions[layer.name]
+            for index, factor in enumerate(layer.factors):
+                if factor is None:
+                    continue
+                owner = self.owner(layer.name, index)
+                if owner == self.comm.rank:
+                    tensors = list(held[index] or [])
+                else:
+                    dim = factor.shape[0]
+                    shapes = [(dim, dim), (dim,)] if self.method == "eigen" else [(dim, dim)]
+                    tensors = [torch.empty(shape) for shape in shapes]
+                    held[index] = tensors
+                floor = torch.tensor([layer.damping_floor])
+                floors.append((layer, floor))
+                per_rank[owner].extend([*tensors, floor])
+        broadcast_from_owners(per_rank, self.comm)
+        for layer, floor in floors:
+            layer.damping_floor = max(layer.damping_floor, float(floor))
+        # Packing the buffers counts as communication too.
+        self.clock.add("communication", time.perf_counter() - start)
+
+    def _precondition_kron(self, layer: KroneckerLayer, grad: torch.Tensor, damping: float) -> torch.Tensor:
+        held = self._decompositions[layer.name]
+        if held[0] is None or held[1] is None:
+            return grad
+        if self.method == "inverse":
+            result = precondition_inverse(grad, held[0][0], held[1][0])
+            if bool(torch.isfinite(result).all()):
+                return result
+            self._raise_floor(layer, damping, "the preconditioned gradient was not finite")
+            self._refresh = True
+            return grad
+        q_a, d_a = held[0]
+        q_g, d_g = held[1]
+        effective = max(damping, layer.damping_floor)
+        for _ in range(_MAX_DAMPING_RAISES):
+            result = precondition_eigen(grad, q_a, d_a, q_g, d_g, effective)
+            if bool(torch.isfinite(result).all()):
+                return result
+            effective = self._raise_floor(layer, damping, "the preconditioned gradient was not finite")
+        return grad
+
+    def _precondition_layer(self, layer: KFACLayer, grad: torch.Tensor, damping: float) -> torch.Tensor:
+        if not bool(torch.isfinite(grad).all()):
+            # A gradient that is already not finite (an overflowing AMP step) is passed on untouched.
+            return grad
+        if isinstance(layer, BatchNormLayer):
+            effective = max(damping, layer.damping_floor)
+            for _ in range(_MAX_DAMPING_RAISES):
+                result = layer.precondition(grad, effective)
+                if bool(torch.isfinite(result).all()):
+                    return result
+                effective = self._raise_floor(layer, damping, "the Fisher was singular")
+            return grad
+        assert isinstance(layer, KroneckerLayer)
+        return self._precondition_kron(layer, grad, damping)
+
+    def _precondition_all(self, damping: float) -> None:
+        start = time.perf_counter()
+        grads: dict[str, torch.Tensor] = {}
+        for name, layer in self.layers.items():
+            grad = layer.grad_matrix()
+            if grad is not None:
+                grads[name] = grad
+        results: dict[str, torch.Tensor] = {}
+        owner_mode = self.memory_mode == "owner" and self.comm.distributed
+        per_rank: list[list[torch.Tensor]] = [[] for _ in range(self.comm.world_size)]
+        for name, grad in grads.items():
+            layer = self.layers[name]
+            if owner_mode and isinstance(layer, KroneckerLayer):
+                owner = self.owner(name, 0)
+                if owner == self.comm.rank:
+                    results[name] = self._precondition_layer(layer, grad, damping)
+                else:
+                    results[name] = torch.empty_like(grad)
+                per_rank[owner].append(results[name])
+            else:
+                results[name] = self._precondition_layer(layer, grad, damping)
+        waited = broadcast_from_owners(per_rank, self.comm) if owner_mode else 0.0
+        self.clock.add("communication", waited)
+
+        scale = 1.0
+        if self.kl_clip is not None and results:
+            lr = self._current_lr()
+            vg = sum(float((results[name] * grads[name]).sum()) for name in results) * lr * lr
+            if vg > 0 and math.isfinite(vg):
+                scale = min(1.0, math.sqrt(self.kl_clip / vg))
+        for name, result in results.items():
+            self.layers[name].write_grad(result * scale if scale != 1.0 else result)
+        self.clock.add("precondition", time.perf_counter() - start - waited)
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Step, factors, damping floors and the decompositions this rank holds (all of them in "full"
+        mode; in "owner" mode only its own, the rest are recomputed from the factors on resume).
+
+        A local operation (no collective); tensors are copies.
+        """
+        layers: dict[str, Any] = {}
+        for name, layer in self.layers.items():
+            entry: dict[str, Any] = {
+                "factors": [None if f is None else f.detach().clone() for f in layer.factors],
+                "damping_floor": layer.damping_floor,
+            }
+            if name in self._decompositions:
+                entry["decomposition"] = [
+                    None if held is None else [t.detach().clone() for t in held]
+                    for held in self._decompositions[name]
+                ]
+            layers[name] = entry
+        return {"steps": self.steps, "method": self.method, "bn": self.bn, "layers": layers}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict()`` saved; the next ``step()`` continues where that run stopped.
+
+        Raises ``ConfigError`` when the saved layers do not match this model's.
+        """
+        saved = state["layers"]
+        if set(saved) != set(self.layers):
+            missing = sorted(set(self.layers) - set(saved))
+            extra = sorted(set(saved) - set(self.layers))
+            raise ConfigError(
+                "K-FAC state does not match the model: "
+                f"layers missing from the state {missing[:5]}, unknown layers in the state {extra[:5]}"
+            )
+        if state.get("bn", self.bn) != self.bn:
+            raise ConfigError(f"K-FAC state was saved with bn='{state['bn']}', this run uses '{self.bn}'")
+        same_method = state.get("method") == self.method
+        self.steps = int(state["steps"])
+        refresh = False
+        for name, layer in self.layers.items():
+            entry = saved[name]
+            layer.factors = [None if f is None else f.detach().clone().float() for f in entry["factors"]]
+            layer.damping_floor = float(entry["damping_floor"])
+            if name not in self._decompositions:
+                continue
+            stored = entry.get("decomposition") if same_method else None
+            held: list[list[torch.Tensor] | None] = [None, None]
+            for index in range(2):
+                if stored is not None and stored[index] is not None:
+                    held[index] = [t.detach().clone().float() for t in stored[index]]
+                needed = self.memory_mode == "full" or self.owner(name, index) == self.comm.rank
+                if layer.factors[index] is not None and needed and held[index] is None:
+                    refresh = True
+            self._decompositions[name] = held
+        self._refresh = refresh

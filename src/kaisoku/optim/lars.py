@@ -1,0 +1,411 @@
+"""LARS and LAMB: layer-wise trust ratios computed for every layer at once, with no host synchronisation.
+
+Both optimizers keep the per-layer work on the device. All norms of a parameter group come from one
+``torch._foreach_norm`` call, the trust ratios are a handful of vector operations on the stacked norms
+(``torch.where`` replaces the usual ``if norm > 0`` test), and the update is a few ``_foreach`` calls whose
+per-tensor scale factors are 0-dim tensors. ``step()`` never calls ``.item()`` nor branches on a tensor
+value, so it runs unchanged on ``meta`` tensors, under CUDA graphs and under ``torch.compile``.
+
+Parameters with ``ndim <= 1`` (BatchNorm weights and biases) are excluded from adaptation and weight decay
+by default, as in the large-batch literature. The choice can be made per parameter group
+(``{"params": ..., "lars_exclude": True}``) or per parameter with a predicate ``exclude(name, param)``;
+names are available when the optimizer is given ``model.named_parameters()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, TypeAlias
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+ParamsT: TypeAlias = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]]
+"""What an optimizer accepts: tensors, (name, tensor) pairs or parameter-group dicts."""
+
+ExcludeFn: TypeAlias = Callable[[str, Tensor], bool]
+"""``exclude(name, param) -> bool``: True leaves the parameter out of adaptation and weight decay."""
+
+Scale: TypeAlias = float | list[Tensor]
+"""A multiplier: one Python number for every tensor of a list, or one 0-dim tensor per tensor."""
+
+
+def exclude_ndim_le_1(name: str, param: Tensor) -> bool:
+    """The default exclusion rule: BatchNorm parameters and biases, i.e. every tensor with ``ndim <= 1``."""
+    return param.ndim <= 1
+
+
+def _check_positive(owner: str, name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{owner}: {name} must be > 0 (got {value})")
+
+
+def _check_non_negative(owner: str, name: str, value: float) -> None:
+    if not value >= 0:
+        raise ValueError(f"{owner}: {name} must be >= 0 (got {value})")
+
+
+def _add_scaled(dst: list[Tensor], src: list[Tensor], scale: Scale, value: float = 1.0) -> None:
+    """``dst[i] += value * scale[i] * src[i]`` in one ``_foreach`` call."""
+    if not dst:
+        return
+    if isinstance(scale, list):
+        torch._foreach_addcmul_(dst, src, scale, value=value)
+    else:
+        torch._foreach_add_(dst, src, alpha=value * scale)
+
+
+def trust_ratios(
+    weight_norms: Tensor,
+    update_norms: Tensor,
+    *,
+    eta: float,
+    weight_decay: float,
+    eps: float,
+    lr: float,
+    trust_clip: bool,
+) -> Tensor:
+    """LARS trust ratios ``eta * ||w|| / (||g|| + wd * ||w|| + eps)`` for stacked norms, 1 where a norm is 0.
+
+    With ``trust_clip`` (LARC) the ratio becomes ``min(ratio / lr, 1)``, so that the layer's learning rate
+    ``lr * ratio`` never exceeds the global one.
+    """
+    denominator = update_norms.add(weight_norms, alpha=weight_decay).add_(eps)
+    ratio = weight_norms.mul(eta).div_(denominator)
+    if trust_clip:
+        ratio = ratio.div_(lr).clamp_(max=1.0)
+    usable = (weight_norms > 0) & (update_norms > 0)
+    return torch.where(usable, ratio, 1.0)
+
+
+class _LayerwiseOptimizer(Optimizer):
+    """Shared plumbing: parameter collection, exclusion, sparse-gradient check, device grouping."""
+
+    _exclude: ExcludeFn
+
+    def _collect(self, group: dict[str, Any], state_keys: tuple[str, ...]) -> list[tuple[Any, ...]]:
+        """The group's parameters that have gradients, split into adapted and excluded lists per device.
+
+        Returns ``(adapted, excluded)`` pairs, one per (device, dtype); each is a tuple of lists
+        ``(params, grads, *state tensors)``.
+        """
+        names = group.get("param_names")
+        forced = group.get("lars_exclude")
+        buckets: dict[tuple[torch.device, torch.dtype], tuple[list[list[Tensor]], list[list[Tensor]]]] = {}
+        width = 2 + len(state_keys)
+        for index, param in enumerate(group["params"]):
+            grad = param.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support sparse gradients; parameter "
+                    f"{names[index] if names else index} of group {self.param_groups.index(group)} has one "
+                    "(use a dense embedding or a sparse-aware optimizer for it)"
+                )
+            excluded = forced if forced is not None else self._exclude(names[index] if names else "", param)
+            state = self.state[param]
+            if not state:
+                self._init_state(state, param)
+            key = (param.device, param.dtype)
+            if key not in buckets:
+                buckets[key] = ([[] for _ in range(width)], [[] for _ in range(width)])
+            lists = buckets[key][1 if excluded else 0]
+            lists[0].append(param)
+            lists[1].append(grad)
+            for slot, state_key in enumerate(state_keys, start=2):
+                lists[slot].append(state[state_key])
+        return [(tuple(adapted), tuple(excluded)) for adapted, excluded in buckets.values()]
+
+    def _init_state(self, state: dict[str, Any], param: Tensor) -> None:
+        raise NotImplementedError
+
+
+class LARS(_LayerwiseOptimizer):
+    """Momentum SGD with layer-wise adaptive rate scaling (LARS), all layers updated in a few batched calls.
+
+    For each adapted parameter ``w`` with gradient ``g`` the step is::
+
+        trust = eta * ||w|| / (||g|| + wd * ||w|| + eps)     (1 where ||w|| or ||g|| is 0)
+        d     = trust * (g + wd * w)
+        buf   = momentum * buf + d
+        w    -= lr * buf                  (Nesterov: w -= lr * (d + momentum * buf))
+
+    Excluded parameters (``ndim <= 1`` by default) get ``d = g``: plain momentum SGD without weight decay.
+    With ``adaptation=False`` the trust ratio is 1 and the optimizer is exactly ``torch.optim.SGD`` (same
+    momentum, Nesterov and weight decay) for the adapted parameters.
+
+    ``momentum_correction=True`` (the default) keeps the buffer free of the learning rate, as above: when the
+    learning rate changes, the accumulated momentum is rescaled with it (the "momentum correction" of Goyal
+    et al.). With ``False`` the learning rate enters the buffer (``buf = momentum * buf + lr * d``,
+    ``w -= buf``), so past steps keep the learning rate they were taken with.
+
+    ``p.grad`` is never modified. Parameters without a gradient are skipped; sparse gradients raise.
+
+    Args:
+        params: tensors, ``(name, tensor)`` pairs (``model.named_parameters()``) or parameter-group dicts.
+            Group keys override the defaults below; ``lars_exclude=True/False`` forces exclusion for the
+            whole group, ``None`` (default) asks ``exclude``.
+        lr: learning rate, > 0.
+        momentum: momentum factor in [0, 1).
+        weight_decay: L2 weight decay of adapted parameters.
+        eta: trust coefficient, > 0.
+        eps: denominator epsilon of the trust ratio.
+        trust_clip: LARC: clip the trust ratio to ``min(ratio / lr, 1)``.
+        nesterov: Nesterov momentum.
+        momentum_correction: keep the buffer free of the learning rate (see above).
+        adaptation: apply the trust ratio; False gives momentum SGD.
+        exclude: ``exclude(name, param) -> bool`` for groups without ``lars_exclude``; ``name`` is "" when
+            the optimizer was given bare tensors.
+        compile: run the update through ``torch.compile`` (first step compiles; worth it on GPUs).
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        *,
+        weight_decay: float = 0.0,
+        eta: float = 0.001,
+        eps: float = 1e-9,
+        trust_clip: bool = False,
+        nesterov: bool = False,
+        momentum_correction: bool = True,
+        adaptation: bool = True,
+        exclude: ExcludeFn = exclude_ndim_le_1,
+        compile: bool = False,
+    ) -> None:
+        _check_positive("LARS", "lr", lr)
+        _check_positive("LARS", "eta", eta)
+        _check_non_negative("LARS", "weight_decay", weight_decay)
+        _check_non_negative("LARS", "eps", eps)
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"LARS: momentum must be in [0, 1) (got {momentum})")
+        if nesterov and momentum == 0:
+            raise ValueError("LARS: nesterov needs momentum > 0")
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            eta=eta,
+            eps=eps,
+            trust_clip=trust_clip,
+            nesterov=nesterov,
+            momentum_correction=momentum_correction,
+            adaptation=adaptation,
+            lars_exclude=None,
+        )
+        self._exclude = exclude
+        self._compile = compile
+        self._update: Callable[..., None] = (
+            torch.compile(lars_update, dynamic=False) if compile else lars_update  # type: ignore[assignment]
+        )
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group, checking the hyper-parameters it overrides."""
+        for key in ("lr", "eta"):
+            if key in param_group:
+                _check_positive("LARS", f"{key} (parameter group)", param_group[key])
+        if "weight_decay" in param_group:
+            _check_non_negative("LARS", "weight_decay (parameter group)", param_group["weight_decay"])
+        super().add_param_group(param_group)
+
+    def _init_state(self, state: dict[str, Any], param: Tensor) -> None:
+        # A zero buffer makes the first step momentum * 0 + d = d, as torch.optim.SGD's clone(d).
+        state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Take one optimization step; ``closure`` re-evaluates the loss if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for adapted, excluded in self._collect(group, ("momentum_buffer",)):
+                self._update(
+                    *adapted,
+                    *excluded,
+                    lr=float(group["lr"]),
+                    momentum=group["momentum"],
+                    weight_decay=group["weight_decay"],
+                    eta=group["eta"],
+                    eps=group["eps"],
+                    trust_clip=group["trust_clip"],
+                    nesterov=group["nesterov"],
+                    momentum_correction=group["momentum_correction"],
+                    adaptation=group["adaptation"],
+                )
+        return loss
+
+
+def lars_update(
+    params: list[Tensor],
+    grads: list[Tensor],
+    bufs: list[Tensor],
+    params_excluded: list[Tensor],
+    grads_excluded: list[Tensor],
+    bufs_excluded: list[Tensor],
+    *,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    eta: float,
+    eps: float,
+    trust_clip: bool,
+    nesterov: bool,
+    momentum_correction: bool,
+    adaptation: bool,
+) -> None:
+    """The LARS update of adapted (``params``...) and excluded tensors, in place, by ``_foreach`` calls.
+
+    All tensors share one device and dtype. See :class:`LARS` for the formulas.
+    """
+    # The buffer accumulates inner * d and the weights move by -outer * buf: (1, lr) keeps the learning
+    # rate out of the buffer (momentum correction), (lr, 1) folds it in.
+    inner, outer = (1.0, lr) if momentum_correction else (lr, 1.0)
+    scale_grad: Scale = inner
+    scale_weight: Scale = inner * weight_decay
+    if adaptation and params:
+        norms = torch._foreach_norm(params + grads)
+        trust = trust_ratios(
+            torch.stack(norms[: len(params)]),
+            torch.stack(norms[len(params) :]),
+            eta=eta,
+            weight_decay=weight_decay,
+            eps=eps,
+            lr=lr,
+            trust_clip=trust_clip,
+        )
+        if inner != 1.0:
+            trust = trust.mul_(inner)
+        scale_grad = list(trust.unbind(0))
+        if weight_decay != 0:
+            scale_weight = list(trust.mul(weight_decay).unbind(0))
+
+    all_bufs = bufs + bufs_excluded
+    if momentum != 0:
+        torch._foreach_mul_(all_bufs, momentum)
+    else:
+        torch._foreach_zero_(all_bufs)
+    if isinstance(scale_grad, float):
+        # One call for both lists when they share the Python scale.
+        _add_scaled(all_bufs, grads + grads_excluded, inner)
+    else:
+        _add_scaled(bufs, grads, scale_grad)
+        _add_scaled(bufs_excluded, grads_excluded, inner)
+    if weight_decay != 0:
+        _add_scaled(bufs, params, scale_weight)
+
+    all_params = params + params_excluded
+    if not nesterov:
+        torch._foreach_add_(all_params, all_bufs, alpha=-outer)
+        return
+    # Nesterov: w -= outer * (inner * d + momentum * buf). The weight-decay term reads w, so it goes first.
+    if weight_decay != 0:
+        _add_scaled(params, params, scale_weight, -outer)
+    if isinstance(scale_grad, float):
+        _add_scaled(all_params, grads + grads_excluded, inner, -outer)
+    else:
+        _add_scaled(params, grads, scale_grad, -outer)
+        _add_scaled(params_excluded, grads_excluded, inner, -outer)
+    torch._foreach_add_(all_params, all_bufs, alpha=-outer * momentum)
+
+
+class LAMB(_LayerwiseOptimizer):
+    """LAMB: Adam moments with a layer-wise trust ratio, on the same batched, sync-free machinery as LARS.
+
+    For each adapted parameter ``w``::
+
+        m = b1 * m + (1 - b1) * g ;  v = b2 * v + (1 - b2) * g^2
+        u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd * w
+        w -= lr * (||w|| / ||u||) * u           (ratio 1 where a norm is 0; clipped at ``max_trust``)
+
+    Excluded parameters (``ndim <= 1`` by default) take the Adam step ``u`` without weight decay or ratio.
+    The step count ``t`` is kept per parameter as a Python int, so bias corrections cost no device work.
+
+    Args:
+        params: as for :class:`LARS`.
+        lr: learning rate, > 0.
+        betas: moment coefficients, each in [0, 1).
+        eps: added to the root of the second moment.
+        weight_decay: decoupled weight decay of adapted parameters (inside the trust ratio).
+        max_trust: upper bound of the trust ratio; 0 leaves it unbounded.
+        exclude: as for :class:`LARS`.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        *,
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        max_trust: float = 10.0,
+        exclude: ExcludeFn = exclude_ndim_le_1,
+    ) -> None:
+        _check_positive("LAMB", "lr", lr)
+        _check_non_negative("LAMB", "weight_decay", weight_decay)
+        _check_non_negative("LAMB", "max_trust", max_trust)
+        _check_positive("LAMB", "eps", eps)
+        for index, beta in enumerate(betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"LAMB: betas[{index}] must be in [0, 1) (got {beta})")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        defaults.update(max_trust=max_trust, lars_exclude=None)
+        self._exclude = exclude
+        super().__init__(params, defaults)
+
+    def _init_state(self, state: dict[str, Any], param: Tensor) -> None:
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Take one optimization step; ``closure`` re-evaluates the loss if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for adapted, excluded in self._collect(group, ("exp_avg", "exp_avg_sq")):
+                params, grads, exp_avgs, exp_avg_sqs = (a + e for a, e in zip(adapted, excluded))
+                if not params:
+                    continue
+                steps = []
+                for param in params:
+                    state = self.state[param]
+                    state["step"] += 1
+                    steps.append(state["step"])
+                torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+                torch._foreach_mul_(exp_avg_sqs, beta2)
+                torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+                # u = m / bc1 / (sqrt(v) / sqrt(bc2) + eps), with per-tensor Python bias corrections.
+                denom = list(torch._foreach_sqrt(exp_avg_sqs))
+                torch._foreach_mul_(denom, [(1 - beta2**t) ** -0.5 for t in steps])
+                torch._foreach_add_(denom, group["eps"])
+                updates = list(torch._foreach_div(exp_avgs, denom))
+                torch._foreach_mul_(updates, [1 / (1 - beta1**t) for t in steps])
+
+                count = len(adapted[0])
+                params_a, updates_a = params[:count], updates[:count]
+                scale: Scale = 1.0
+                if count:
+                    if group["weight_decay"] != 0:
+                        torch._foreach_add_(updates_a, params_a, alpha=group["weight_decay"])
+                    norms = torch._foreach_norm(params_a + updates_a)
+                    weight_norms, update_norms = torch.stack(norms[:count]), torch.stack(norms[count:])
+                    ratio = weight_norms / update_norms
+                    if group["max_trust"] > 0:
+                        ratio = ratio.clamp_(max=group["max_trust"])
+                    usable = (weight_norms > 0) & (update_norms > 0)
+                    scale = list(torch.where(usable, ratio, 1.0).unbind(0))
+                _add_scaled(params_a, updates_a, scale, -group["lr"])
+                _add_scaled(params[count:], updates[count:], 1.0, -group["lr"])
+        return loss

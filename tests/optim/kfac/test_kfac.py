@@ -1,0 +1,232 @@
+"""KFAC in use: convergence against SGD, resume, bad factors, skipped layers, AMP, schedules."""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from kaisoku.errors import ConfigError
+from kaisoku.optim.kfac import KFAC, KFACWarning
+
+
+def _regression_data() -> tuple[torch.Tensor, torch.Tensor]:
+    """Badly scaled inputs (feature scales 0.1 .. 10): hard for SGD, easy for a curvature method."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 16, generator=gen) * torch.logspace(-1, 1, 16)
+    teacher = torch.randn(16, 4, generator=gen)
+    return x, torch.tanh(x @ teacher / 4)
+
+
+def _train_loss(lr: float, use_kfac: bool, steps: int = 40) -> float:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    kfac = KFAC(model, damping=1e-2, kl_clip=None, inv_update_steps=1) if use_kfac else None
+    x, y = _regression_data()
+    for _ in range(steps):
+        loss = ((model(x) - y) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        if kfac is not None:
+            kfac.step()
+        optimizer.step()
+    with torch.no_grad():
+        final = float(((model(x) - y) ** 2).mean())
+    return final if math.isfinite(final) else math.inf
+
+
+def test_beats_sgd_in_steps_on_the_same_lr_grid() -> None:
+    grid = [0.01, 0.03, 0.1, 0.3]
+    best_sgd = min(_train_loss(lr, use_kfac=False) for lr in grid)
+    best_kfac = min(_train_loss(lr, use_kfac=True) for lr in grid)
+    assert best_kfac < 0.5 * best_sgd, (best_kfac, best_sgd)
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1, bias=False),
+        nn.BatchNorm2d(4),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 5),
+    )
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 1, 8, 8, generator=gen), torch.randint(0, 5, (8,), generator=gen)
+
+
+def _make(method: str = "eigen") -> tuple[nn.Module, torch.optim.Optimizer, KFAC]:
+    torch.manual_seed(7)
+    model = _cnn()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    kfac = KFAC(model, lr=optimizer, inv_update_steps=2, factor_decay=0.9, bn="unit", method=method)
+    return model, optimizer, kfac
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, kfac: KFAC, steps: range) -> None:
+    for step in steps:
+        x, y = _batch(step)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        kfac.step()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_state_dict_round_trip_resumes_identically(method: str) -> None:
+    model, optimizer, kfac = _make(method)
+    _train(model, optimizer, kfac, range(5))
+    straight = [p.detach().clone() for p in model.parameters()]
+
+    model, optimizer, kfac = _make(method)
+    _train(model, optimizer, kfac, range(3))
+    buffer = io.BytesIO()
+    torch.save(
+        {"model": model.state_dict(), "opt": optimizer.state_dict(), "kfac": kfac.state_dict()}, buffer
+    )
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+
+    model, optimizer, kfac = _make(method)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["opt"])
+    kfac.load_state_dict(saved["kfac"])
+    assert kfac.steps == 3
+    _train(model, optimizer, kfac, range(3, 5))
+    for resumed, expected in zip(model.parameters(), straight):
+        assert torch.equal(resumed, expected)
+
+
+def test_load_state_dict_rejects_another_model() -> None:
+    _, _, kfac = _make()
+    other = KFAC(nn.Sequential(nn.Linear(2, 2)), kl_clip=None)
+    with pytest.raises(ConfigError, match="does not match"):
+        other.load_state_dict(kfac.state_dict())
+
+
+def test_nan_factor_raises_damping_with_warning_and_weights_stay_finite() -> None:
+    model, optimizer, kfac = _make()
+    _train(model, optimizer, kfac, range(2))
+    layer = kfac.layers["5"]
+    layer.factors[0][0, 0] = float("nan")
+    with pytest.warns(KFACWarning, match="damping is raised"):
+        _train(model, optimizer, kfac, range(2, 4))
+    assert layer.damping_floor > 1e-3
+    assert all(bool(torch.isfinite(f).all()) for f in layer.factors)
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_non_finite_statistics_are_skipped_with_warning() -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2)
+    kfac = KFAC(layer, kl_clip=None)
+    layer(torch.randn(4, 3)).sum().backward()
+    kfac.step()
+    before = [f.clone() for f in kfac.layers[""].factors]
+    layer.zero_grad()
+    # Inputs whose squares overflow float32: A's statistics become inf, the gradient stays usable.
+    out = layer(torch.full((4, 3), 1e20))
+    (out * 0).sum().backward()
+    with pytest.warns(KFACWarning, match="not finite"):
+        kfac.step()
+    assert torch.equal(kfac.layers[""].factors[0], before[0])
+    assert all(bool(torch.isfinite(p).all()) for p in layer.parameters())
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_singular_factor_with_zero_damping_raises_damping(method: str) -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2, bias=False)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    kfac = KFAC(layer, damping=0.0, kl_clip=None, method=method)
+    x = torch.randn(4, 3)
+    x[:, 1] = 0.0  # A is singular
+    layer(x).pow(2).mean().backward()
+    with pytest.warns(KFACWarning, match="damping is raised"):
+        kfac.step()
+    optimizer.step()
+    assert kfac.layers[""].damping_floor > 0
+    assert all(bool(torch.isfinite(p).all()) for p in layer.parameters())
+
+
+def test_unsupported_layers_are_listed_in_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3, groups=2), nn.Embedding(3, 2), nn.LayerNorm(4), nn.ReLU(), nn.Linear(4, 4)
+    )
+    with caplog.at_level(logging.WARNING, logger="kaisoku.optim.kfac"):
+        kfac = KFAC(model, kl_clip=None)
+    records = [r for r in caplog.records if r.name == "kaisoku.optim.kfac"]
+    assert len(records) == 1
+    message = records[0].getMessage()
+    assert "0 (Conv2d with groups=2)" in message
+    assert "1 (Embedding)" in message
+    assert "2 (LayerNorm)" in message
+    assert "ReLU" not in message
+    assert list(kfac.layers) == ["4"]
+
+
+def test_bn_skip_leaves_batchnorm_alone_silently(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kaisoku.optim.kfac"):
+        kfac = KFAC(_cnn(), kl_clip=None, bn="skip")
+    assert list(kfac.layers) == ["0", "5"]
+    assert not caplog.records
+
+
+def test_autocast_bf16_keeps_factors_in_float32() -> None:
+    model, optimizer, kfac = _make()
+    for step in range(3):
+        x, y = _batch(step)
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        kfac.step()
+        optimizer.step()
+    for layer in kfac.layers.values():
+        for factor in layer.factors:
+            assert factor is not None and factor.dtype == torch.float32
+            assert bool(torch.isfinite(factor).all())
+    assert all(p.dtype == torch.float32 and bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_callable_intervals_decide_update_steps() -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2)
+    kfac = KFAC(layer, kl_clip=None, factor_update_steps=lambda step: 2, inv_update_steps=lambda step: 3)
+    history = []
+    for _ in range(4):
+        layer.zero_grad()
+        layer(torch.randn(4, 3)).pow(2).mean().backward()
+        kfac.step()
+        history.append((kfac.layers[""].factors[0].clone(), kfac._decompositions[""][0][0].clone()))
+    factors = [f for f, _ in history]
+    vectors = [q for _, q in history]
+    assert torch.equal(factors[0], factors[1]) and not torch.equal(factors[1], factors[2])
+    assert torch.equal(factors[2], factors[3])
+    assert torch.equal(vectors[0], vectors[2]) and not torch.equal(vectors[2], vectors[3])
+
+
+def test_eval_forward_without_grad_collects_nothing() -> None:
+    model, optimizer, kfac = _make()
+    model.eval()
+    with torch.no_grad():
+        model(_batch(0)[0])
+    assert all(s is None for layer in kfac.layers.values() for s in layer.stat_sums)
+
+
+def test_bad_arguments_are_config_errors() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="method"):
+        KFAC(model, method="cholesky", kl_clip=None)
+    with pytest.raises(ConfigError, match="learning rate"):
+        KFAC(model)
+    with pytest.raises(ConfigError, match="memory_mode"):
+        KFAC(model, memory_mode="half", kl_clip=None)
