@@ -139,7 +139,19 @@ class DistConfig:
     timeout: float = 300.0
     """Seconds a collective waits for a peer before the run stops (torch's own default is 30 minutes)."""
     max_restarts: int = 0
-    """Times torchrun restarts the ranks after a failure; combine with --resume auto."""
+    """Times torchrun restarts the ranks after a failure; a restarted run resumes from its newest checkpoint."""
+    eager_init: bool = True
+    """Join the process group in a background thread while the model and data are built."""
+    buckets: Literal["layer-groups", "uniform"] = "layer-groups"
+    """DDP gradient buckets: layer-groups (small near the output, growing towards the input) or uniform."""
+    first_bucket_mb: float = 1.0
+    """layer-groups: size of the first bucket (output end), in MiB."""
+    bucket_cap_mb: float = 25.0
+    """Largest bucket, in MiB."""
+    bucket_growth: float = 2.0
+    """layer-groups: size ratio between consecutive buckets."""
+    compress: Literal["none", "bf16"] = "none"
+    """Gradient compression on the wire: none or bf16 (halves all-reduce bytes)."""
 
 
 @dataclass(kw_only=True)

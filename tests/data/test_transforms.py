@@ -14,10 +14,12 @@ from kaisoku.data.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     AugmentSpec,
+    KeyedRandom,
     augment,
     collate,
     decode_image,
     normalize,
+    random_crop_box,
 )
 from kaisoku.errors import KaisokuError
 
@@ -104,6 +106,34 @@ def test_augment_train_is_keyed_by_seed_epoch_index() -> None:
     # Across many indices the crops differ: not one fixed crop.
     crops = {augment(image, spec, seed=1, epoch=2, index=i).tobytes() for i in range(8)}
     assert len(crops) == 8
+
+
+def test_keyed_random_is_a_pure_function_of_its_key() -> None:
+    first = [KeyedRandom(3, 1, 7).random() for _ in range(2)]
+    assert first[0] == first[1]
+    stream = KeyedRandom(3, 1, 7)
+    draws = [stream.random() for _ in range(4)]
+    assert len(set(draws)) == 4 and draws[0] == first[0]
+    assert KeyedRandom(3, 1, 8).random() != draws[0]
+    assert KeyedRandom(3, 2, 7).random() != draws[0]
+    assert KeyedRandom(-1, 0, 0).random() != KeyedRandom(0, 0, 0).random()
+    values = np.array([KeyedRandom(0, 0, i).random() for i in range(4000)])
+    assert 0.0 <= values.min() and values.max() < 1.0
+    assert abs(values.mean() - 0.5) < 0.02
+    counts = np.histogram(values, bins=4, range=(0, 1))[0]
+    assert counts.min() > 900
+    flips = [KeyedRandom(5, 0, i).integers(0, 2) for i in range(4000)]
+    assert 0.45 < np.mean(flips) < 0.55
+
+
+def test_random_crop_box_respects_scale_and_ratio() -> None:
+    spec = AugmentSpec(size=8, scale=(0.2, 0.6), ratio=(0.5, 2.0))
+    for i in range(300):
+        left, top, right, bottom = random_crop_box(60, 80, spec, KeyedRandom(0, 0, i))
+        assert 0 <= left < right <= 80 and 0 <= top < bottom <= 60
+        area = (right - left) * (bottom - top) / (60 * 80)
+        assert 0.18 <= area <= 0.62
+        assert 0.45 <= (right - left) / (bottom - top) <= 2.2
 
 
 def test_augment_flip_only_mirrors_full_image() -> None:

@@ -134,6 +134,19 @@ def test_pack_is_deterministic_across_workers_and_codecs(tmp_path: Path) -> None
     assert zstd.shard_sizes().tolist() == read_index(tmp_path / "a").shard_sizes().tolist()
 
 
+def test_pack_image_folder_split_tree_shares_labels(tmp_path: Path) -> None:
+    make_image_folder(tmp_path / "src" / "train", per_class=2)
+    (tmp_path / "src" / "val" / "emu").mkdir(parents=True)
+    (tmp_path / "src" / "val" / "emu" / "v.jpg").write_bytes(simplejpeg.encode_jpeg(image_array(7)))
+    (tmp_path / "src" / "manifest.json").write_text("{}")
+    indexes = pack(tmp_path / "src", tmp_path / "dst", workers=0, progress=False)
+    assert set(indexes) == {"train", "val"}
+    assert indexes["val"].classes == indexes["train"].classes == CLASSES
+    # val has only "emu": its label is emu's position among all classes, not 0.
+    assert indexes["val"].columns["label"].tolist() == [CLASSES.index("emu")]
+    assert read_index(tmp_path / "dst" / "train").num_samples == 9
+
+
 def test_pack_npz_splits(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     x_train = rng.integers(0, 256, size=(40, 8, 8), dtype=np.uint8)

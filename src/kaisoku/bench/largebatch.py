@@ -70,21 +70,24 @@ def load_mnist(path: Path, *, limit: dict[str, int] | None = None) -> dict[str, 
 
 
 class SmallCNN(nn.Module):
-    """Three 3x3 conv + BatchNorm + ReLU stages (8, 16, 32 channels), global average pool, linear head."""
+    """Two 3x3 conv + BatchNorm + ReLU + max-pool stages (``width``, ``2 * width`` channels), linear head."""
 
     def __init__(self, width: int = 8, num_classes: int = 10) -> None:
         super().__init__()
-        layers: list[nn.Module] = []
-        channels = 1
-        for stage, out in enumerate((width, 2 * width, 4 * width)):
-            layers += [nn.Conv2d(channels, out, 3, padding=1, bias=False), nn.BatchNorm2d(out), nn.ReLU()]
-            layers.append(nn.MaxPool2d(2) if stage < 2 else nn.AdaptiveAvgPool2d(1))
-            channels = out
-        self.features = nn.Sequential(*layers)
-        self.head = nn.Linear(channels, num_classes)
+        self.features = nn.Sequential(
+            nn.Conv2d(1, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(2 * width),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.head = nn.Linear(2 * width * 7 * 7, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
-        """Class logits of a batch of images."""
+        """Class logits of a batch of 28x28 images."""
         return self.head(self.features(x).flatten(1))
 
 

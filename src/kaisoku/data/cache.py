@@ -7,10 +7,12 @@ The pure part:
   shards, and puts the samples the node sends away (read once, at the epoch's first step) in front.
 - :func:`first_use_order` lists the shards of a trace in order of first use: the order the stager loads
   them when everything fits.
-- :func:`belady_evictions` is a plain reference simulator of clairvoyant (Belady) caching on a trace:
-  on a miss it evicts the resident shard whose next use is farthest (never used again counts as
-  farthest; ties to the higher shard id). Shards used in the current step are pinned; a shard that cannot
-  fit beside the step's pinned shards is a *bypass* (read from the source, not cached).
+- :func:`belady_evictions` is a plain reference simulator of clairvoyant caching on a trace (Belady's MIN
+  with bypass): on a miss that needs room it evicts the resident shards whose next use is farthest (never
+  used again counts as farthest; ties to the higher shard id), unless the incoming shard itself is needed
+  no sooner than the nearest of those, in which case it is a *bypass*: that access is read from the
+  source and the residents stay. Shards used in the current step are pinned; a shard that cannot fit
+  beside the step's pinned shards is a bypass too.
 - :func:`plan_staging` is the heap-based planner the stager executes. It makes the same decisions as the
   simulator and adds, for every eviction, the step after which it is safe.
 
@@ -189,11 +191,23 @@ def belady_evictions(
         if size + pinned > capacity_bytes:
             events.append(CacheEvent(i, "bypass", shard))
             continue
-        while used + size > capacity_bytes:
-            victim = max((v for v in resident if v not in in_step), key=lambda v: (next_use_after(v, i), v))
+        candidates = sorted(
+            (v for v in resident if v not in in_step), key=lambda v: (next_use_after(v, i), v), reverse=True
+        )
+        victims: list[int] = []
+        freed = 0
+        for victim in candidates:
+            if used - freed + size <= capacity_bytes:
+                break
+            victims.append(victim)
+            freed += int(sizes[victim])
+        if victims and next_use_after(shard, i) >= next_use_after(victims[-1], i):
+            events.append(CacheEvent(i, "bypass", shard))  # it is needed last: keep the residents
+            continue
+        for victim in victims:
             resident.remove(victim)
-            used -= int(sizes[victim])
             events.append(CacheEvent(i, "evict", victim))
+        used -= freed
         resident.append(shard)
         used += size
         events.append(CacheEvent(i, "load", shard))
@@ -226,70 +240,82 @@ def plan_staging(
     deletion, shards of the current step set aside while choosing a victim.
     """
     tr = Trace.of(trace)
-    sizes = _check_capacity(capacity_bytes, shard_bytes)
-    shards = tr.shards
-    steps = tr.steps
+    sizes = _check_capacity(capacity_bytes, shard_bytes).tolist()
+    shards = tr.shards.tolist()
+    steps = tr.steps.tolist()
     stop = len(tr) if horizon is None else min(horizon, len(tr))
-    nxt = next_uses(shards)
+    nxt = next_uses(tr.shards).tolist()
     first_pos: dict[int, int] = {}
-    for position, shard in enumerate(shards.tolist()):
+    for position, shard in enumerate(shards):
         first_pos.setdefault(shard, position)
-    step_start, step_end = _step_bounds(steps) if len(tr) else (steps, steps)
+    step_start, step_end = (b.tolist() for b in (_step_bounds(tr.steps) if len(tr) else (tr.steps, tr.steps)))
 
+    # Insertion-ordered: the keys are the residents in load order, the values their next use.
     resident_next: dict[int, int] = {}
-    resident_order: list[int] = []
     heap: list[tuple[int, int]] = []
     used = 0
     for shard in dict.fromkeys(int(s) for s in initial):
         key = first_pos.get(shard, int(NEVER))
         resident_next[shard] = key
-        resident_order.append(shard)
         heapq.heappush(heap, (-key, -shard))
-        used += int(sizes[shard])
+        used += sizes[shard]
     last_step: dict[int, int] = {}
     actions: list[StagingAction] = []
     step_set: set[int] = set()
     step_set_start = -1
+    pinned = 0  # bytes of resident shards used in the current step
+    set_aside: list[tuple[int, int]] = []  # heap entries of pinned shards, back in the heap after the step
 
     for i in range(stop):
-        shard = int(shards[i])
-        step = int(steps[i])
+        shard = shards[i]
+        step = steps[i]
         if step_start[i] != step_set_start:
-            step_set_start = int(step_start[i])
-            step_set = set(shards[step_set_start : step_end[i]].tolist())
+            for entry in set_aside:
+                heapq.heappush(heap, entry)
+            set_aside = []
+            step_set_start = step_start[i]
+            step_set = set(shards[step_set_start : step_end[i]])
+            pinned = sum(sizes[v] for v in step_set if v in resident_next)
         if shard in resident_next:
-            resident_next[shard] = int(nxt[i])
-            heapq.heappush(heap, (-int(nxt[i]), -shard))
+            resident_next[shard] = nxt[i]
+            heapq.heappush(heap, (-nxt[i], -shard))
             last_step[shard] = step
             continue
-        size = int(sizes[shard])
-        pinned = sum(int(sizes[v]) for v in step_set if v in resident_next)
+        size = sizes[shard]
         if size + pinned > capacity_bytes:
             actions.append(StagingAction(i, "bypass", shard, step))
             last_step[shard] = step
             continue
-        set_aside: list[tuple[int, int]] = []
-        while used + size > capacity_bytes:
+        victims: list[tuple[int, int]] = []
+        freed = 0
+        while used - freed + size > capacity_bytes:
             neg_next, neg_shard = heapq.heappop(heap)
-            victim = -neg_shard
-            if resident_next.get(victim) != -neg_next:
+            if resident_next.get(-neg_shard) != -neg_next:
                 continue  # stale heap entry
-            if victim in step_set:
+            if -neg_shard in step_set:
                 set_aside.append((neg_next, neg_shard))
                 continue
+            victims.append((neg_next, neg_shard))
+            freed += sizes[-neg_shard]
+        if victims and nxt[i] >= -victims[-1][0]:
+            # The incoming shard is needed last: keep the residents, serve this access from the source.
+            for entry in victims:
+                heapq.heappush(heap, entry)
+            actions.append(StagingAction(i, "bypass", shard, step))
+            last_step[shard] = step
+            continue
+        for _, neg_shard in victims:
+            victim = -neg_shard
             del resident_next[victim]
-            resident_order.remove(victim)
-            used -= int(sizes[victim])
             actions.append(StagingAction(i, "evict", victim, step, last_step.get(victim, -1)))
-        for entry in set_aside:
-            heapq.heappush(heap, entry)
-        resident_next[shard] = int(nxt[i])
-        resident_order.append(shard)
-        heapq.heappush(heap, (-int(nxt[i]), -shard))
+        used -= freed
+        resident_next[shard] = nxt[i]
+        heapq.heappush(heap, (-nxt[i], -shard))
         used += size
+        pinned += size
         last_step[shard] = step
         actions.append(StagingAction(i, "load", shard, step))
-    return StagingPlan(tuple(actions), tuple(resident_order))
+    return StagingPlan(tuple(actions), tuple(resident_next))
 
 
 def node_trace(
@@ -345,7 +371,7 @@ def node_trace(
 
 
 def sampler_trace_fn(sampler: EpochSampler, *, node: int, ranks_per_node: int) -> Callable[[int, int], Trace]:
-    """``trace(epoch, start_step)`` of node ``node`` for :meth:`NodeCache.start_staging`, from a sampler."""
+    """``trace(epoch, start_step)`` of node ``node`` for a :class:`StagingSchedule`, from a sampler."""
 
     def trace(epoch: int, start_step: int) -> Trace:
         spec = sampler.spec_for(epoch)
@@ -367,6 +393,21 @@ def sampler_trace_fn(sampler: EpochSampler, *, node: int, ranks_per_node: int) -
 
 
 # -------------------------------------------------------------------------------------------- runtime part
+
+
+@dataclass(frozen=True)
+class StagingSchedule:
+    """What the node's stager stages: the node's trace per epoch, from where, for how many epochs.
+
+    ``trace_of_epoch(epoch, start_step)`` gives the node's accesses (:func:`sampler_trace_fn`). Each epoch
+    is planned with the next one as look-ahead, until ``num_epochs`` (None: until the cache is closed).
+    """
+
+    trace_of_epoch: Callable[[int, int], Trace]
+    first_epoch: int = 0
+    start_step: int = 0
+    num_epochs: int | None = None
+
 
 FLAG_RAM = 1
 FLAG_LOCAL = 2
@@ -395,6 +436,8 @@ class NodeCache:
     ``source_paths[s]`` is shard ``s``'s file on the source. ``ram_dir`` holds the control files and, when
     ``ram_capacity > 0``, the RAM tier (put it on /dev/shm); every rank of a node must pass the same
     ``ram_dir``, ``local_dir`` and ``run_token`` (a value unique to the run, e.g. the rendezvous id).
+    Local rank 0 starts the stager with ``schedule`` (the other ranks' ``schedule`` is ignored); with both
+    capacities 0 there is no stager and every read goes to the source.
     """
 
     def __init__(
@@ -410,6 +453,7 @@ class NodeCache:
         run_token: str = "",
         wait_timeout: float = 600.0,
         max_open: int = 64,
+        schedule: StagingSchedule | None = None,
     ) -> None:
         if not 0 <= local_rank < ranks_per_node:
             raise KaisokuError(f"local rank {local_rank} is outside 0..{ranks_per_node - 1}")
@@ -439,7 +483,13 @@ class NodeCache:
         self._warned: set[str] = set()
         if local_rank == 0:
             self._initialise()
-        self._attach()
+            self._open_control()
+            if schedule is not None:
+                self._start_staging(schedule)
+            # Readers attach only now, so none of them sees the node without its stager.
+            atomic_write_text(self.ram_dir / "ready", self.run_token)
+        else:
+            self._attach()
 
     # ---------------------------------------------------------------- control files
 
@@ -484,7 +534,6 @@ class NodeCache:
         progress[:] = -1
         progress.flush()
         del progress
-        atomic_write_text(self.ram_dir / "ready", self.run_token)
 
     def _control_layout(self) -> list[tuple[str, Any, int]]:
         return [
@@ -511,6 +560,9 @@ class NodeCache:
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+        self._open_control()
+
+    def _open_control(self) -> None:
         self._flags = np.memmap(self.ram_dir / "flags.bin", dtype=np.uint8, mode="r+")
         self._control = np.memmap(self.ram_dir / "control.bin", dtype=np.int64, mode="r+")
         self._progress = np.memmap(self.ram_dir / "progress.bin", dtype=np.int64, mode="r+")
@@ -687,30 +739,14 @@ class NodeCache:
 
     # ---------------------------------------------------------------- stager (local rank 0)
 
-    def start_staging(
-        self,
-        trace_of_epoch: Callable[[int, int], Trace],
-        *,
-        first_epoch: int,
-        start_step: int = 0,
-        num_epochs: int | None = None,
-    ) -> None:
-        """Start the node's stager thread (local rank 0 only) from ``first_epoch`` at ``start_step``.
-
-        ``trace_of_epoch(epoch, start_step)`` gives the node's accesses (:func:`sampler_trace_fn`).
-        Each epoch is planned with the next one as look-ahead, until ``num_epochs`` (None: until closed).
-        """
-        if self.local_rank != 0:
-            raise KaisokuError("only local rank 0 runs the node's stager")
-        if self._thread is not None:
-            raise KaisokuError("the stager is already running")
+    def _start_staging(self, schedule: StagingSchedule) -> None:
         if self.ram_capacity == 0 and self.local_capacity == 0:
             return
         self.shard_bytes = np.array([os.stat(p).st_size for p in self.source_paths], dtype=np.int64)
         self._control[_STATE_SLOT] = _STATE_RUNNING
         self._thread = threading.Thread(
             target=self._stage,
-            args=(trace_of_epoch, first_epoch, start_step, num_epochs),
+            args=(schedule.trace_of_epoch, schedule.first_epoch, schedule.start_step, schedule.num_epochs),
             name="kaisoku-stager",
             daemon=True,
         )
@@ -861,7 +897,7 @@ class NodeCache:
         copied = 0
         with open(source, "rb") as src:
             try:
-                dst = open(tmp, "wb")  # noqa: SIM115 - closed below on every path
+                dst = open(tmp, "wb")  # closed by the with-block below
             except OSError as error:
                 return self._tier_failed(tier, error)
             try:

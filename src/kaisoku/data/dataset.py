@@ -148,13 +148,11 @@ class ShardedDataset(torch.utils.data.Dataset):
         self.decode_images = decode_images
         self.shard_opener = shard_opener
         self.epoch = 0
-        self.skipped = 0
-        """Records skipped as damaged in this process (``skip_corrupt=True``)."""
+        self.skipped = 0  # records skipped as damaged, in this process
         self._codec = RecordCodec(self.index.fields, self.index.codec)
         self._image_fields = tuple(f.name for f in self.index.fields if f.kind == "image")
         self._starts = self.index.shard_starts()
         self._starts_list = self._starts.tolist()
-        self._offsets = [shard.offsets for shard in self.index.shards]
         self._buffers: dict[int, Any] = {}
         self._pid = os.getpid()
         if shard_opener is None and check_files and not skip_corrupt:

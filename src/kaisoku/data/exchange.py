@@ -132,7 +132,11 @@ def exchange_records(
             group=group,
         )
         payload = b"".join(r for rs in records for r in rs)
-        send_bytes = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+        send_bytes = (
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if payload
+            else torch.empty(0, dtype=torch.uint8)
+        )
         recv_bytes = torch.empty(int(recv_lengths.sum()), dtype=torch.uint8)
         lengths = recv_lengths.tolist()
         recv_splits: list[int] = []

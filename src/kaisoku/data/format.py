@@ -724,7 +724,7 @@ def _summarise(index: Index) -> list[str]:
     return lines
 
 
-def inspect_dataset(path: str | Path, *, verify: bool = False) -> InspectReport:
+def inspect_dataset(path: str | Path, verify: bool = False) -> InspectReport:
     """Summarise the packed dataset at ``path``; with ``verify`` check every shard and record checksum.
 
     A directory holding several splits (a packed .npz) is summarised split by split. A problem in
@@ -768,7 +768,7 @@ def inspect_dataset(path: str | Path, *, verify: bool = False) -> InspectReport:
     return InspectReport(text="\n".join(lines), problems=problems)
 
 
-def inspect_summary(path: str | Path, *, verify: bool = False) -> str:
+def inspect_summary(path: str | Path, verify: bool = False) -> str:
     """The printable summary of :func:`inspect_dataset`; raises :class:`KaisokuError` on any problem."""
     report = inspect_dataset(path, verify=verify)
     if report.problems:

@@ -4,7 +4,9 @@ Layouts:
 
 * ImageFolder ``SRC/<class>/**/<image>`` -> ``DST/index.json`` + ``DST/shard-*.kshard``; fields
   ``image`` (the file's encoded bytes, kept as they are) and ``label`` (the class folder's position
-  in sorted order; the names go to the index's ``classes``).
+  in sorted order; the names go to the index's ``classes``). A tree of splits
+  ``SRC/{train,val,test}/<class>/...`` -> one dataset per split in ``DST/<split>/``, with one
+  label mapping for all splits.
 * ``.npz`` with ``x_<split>``/``y_<split>`` pairs -> one dataset per split in ``DST/<split>/``.
   Each row of ``x`` is stored as a raw array (field ``image`` when it is a uint8 image of shape HW,
   HW1 or HW3, else ``x``), each ``y`` as ``label`` (1-D integers) or an array ``y``. Raw arrays, not
@@ -44,6 +46,7 @@ from kaisoku.data.format import (
     Index,
     RecordCodec,
     ShardInfo,
+    parse_bytes,
     shard_file_name,
     split_dirs,
 )
@@ -52,6 +55,9 @@ from kaisoku.fsutil import atomic_open, atomic_write_text
 
 DEFAULT_SHARD_BYTES = 64 * 1024**2
 """Default target shard size: large sequential reads, small enough to stage and evict one by one."""
+
+SPLIT_NAMES = ("train", "val", "valid", "validation", "test")
+"""Folder names that make an ImageFolder source a tree of splits (``SRC/<split>/<class>/...``)."""
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".pgm", ".bmp", ".tif", ".tiff", ".webp", ".gif")
 """File extensions (any case) taken as images in an ImageFolder tree; other files are ignored."""
@@ -213,8 +219,10 @@ def _run_ordered(
     import multiprocessing
     from concurrent.futures import Future, ProcessPoolExecutor
 
-    # forkserver: workers start clean, without the parent's threads or its torch import.
-    executor = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("forkserver"))
+    # fork: workers need nothing re-imported and never re-run the caller's script (as spawn and
+    # forkserver do with an unguarded __main__); they only touch numpy, zstd, Pillow and files.
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    executor = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context(method))
     pending: deque[Future[_ShardResult]] = deque()
     try:
         for task in tasks:
@@ -242,6 +250,7 @@ class _Progress:
                 TimeRemainingColumn,
             )
 
+            # No refresh thread (auto_refresh=False): the packing pool forks while the bar is live.
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"),
                 BarColumn(),
@@ -249,6 +258,7 @@ class _Progress:
                 TextColumn("samples"),
                 TimeElapsedColumn(),
                 TimeRemainingColumn(),
+                auto_refresh=False,
             )
             self._task = self._progress.add_task(description, total=total)
 
@@ -265,6 +275,7 @@ class _Progress:
         """Count ``samples`` more as packed."""
         if self._progress is not None:
             self._progress.advance(self._task, samples)
+            self._progress.refresh()
 
     def log(self, message: str) -> None:
         """Print a line above the bar (or nowhere when disabled)."""
@@ -317,12 +328,10 @@ def _finish(
     shards: list[ShardInfo] = []
     columns = _int_columns(fields)
     skipped: list[str] = []
-    written: list[Path] = []
     try:
         for result in results:
             if result.info is not None:
                 shards.append(result.info)
-                written.append(directory / result.info.file)
             for name, values in result.columns.items():
                 columns[name].extend(values)
             for item in result.skipped:
@@ -330,8 +339,9 @@ def _finish(
             skipped.extend(result.skipped)
             progress.advance((result.info.samples if result.info is not None else 0) + len(result.skipped))
     except BaseException:
-        for path in written:
-            path.unlink(missing_ok=True)
+        # The pool has finished (or cancelled) every task by now; leave no orphan shards behind.
+        # Any shard file here belongs to this run or to a pack whose index is already gone.
+        _remove_stale_shards(directory, keep=set())
         raise
     if not shards:
         raise KaisokuError(f"nothing to pack into {directory}: every sample was skipped as unreadable")
@@ -373,23 +383,41 @@ def _check_args(shard_bytes: int, codec: str, workers: int | None) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def scan_image_folder(root: Path) -> tuple[list[str], list[tuple[str, int, int]]]:
+def _class_folders(root: Path) -> list[str]:
+    return sorted(
+        entry.name for entry in os.scandir(root) if entry.is_dir() and not entry.name.startswith(".")
+    )
+
+
+def image_folder_splits(root: Path) -> list[str]:
+    """The split folders of ``root`` when every folder in it is a split name (train, val, ...), else []."""
+    if not root.is_dir():
+        return []
+    folders = _class_folders(root)
+    return folders if folders and all(name in SPLIT_NAMES for name in folders) else []
+
+
+def scan_image_folder(
+    root: Path, classes: Sequence[str] | None = None
+) -> tuple[list[str], list[tuple[str, int, int]]]:
     """Class names (sorted) and ``(relative path, label, file size)`` of every image under ``root``.
 
-    Hidden files and folders are ignored, and so are files without an image extension. A tree
-    without class folders, or a class folder without images, is an error naming the folder.
+    ``classes`` fixes the label mapping (shared by the splits of a tree); a class folder it names
+    may then be absent. Hidden files and folders are ignored, and so are files without an image
+    extension. A tree without class folders or images, or a class folder without images, is an
+    error naming the folder.
     """
     if not root.is_dir():
         raise KaisokuError(f"source {root} is not a directory")
-    classes = sorted(
-        entry.name for entry in os.scandir(root) if entry.is_dir() and not entry.name.startswith(".")
-    )
-    if not classes:
+    names = list(classes) if classes is not None else _class_folders(root)
+    if not names:
         raise KaisokuError(
             f"source {root} has no class folders; an ImageFolder tree is SRC/<class>/<image files>"
         )
     items: list[tuple[str, int, int]] = []
-    for label, name in enumerate(classes):
+    for label, name in enumerate(names):
+        if classes is not None and not (root / name).is_dir():
+            continue
         found = 0
         for directory, subdirs, files in os.walk(root / name, followlinks=True):
             subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
@@ -409,7 +437,9 @@ def scan_image_folder(root: Path) -> tuple[list[str], list[tuple[str, int, int]]
                 f"class folder {root / name} holds no images ({', '.join(IMAGE_EXTENSIONS)}); "
                 "add images or remove the folder"
             )
-    return classes, items
+    if not items:
+        raise KaisokuError(f"source {root} holds no images")
+    return names, items
 
 
 def pack_image_folder(
@@ -425,12 +455,55 @@ def pack_image_folder(
     seed: int = 0,
     skip_corrupt: bool = False,
     verify_images: bool = True,
-) -> Index:
-    """Pack the ImageFolder tree ``src`` into ``dst``; see :func:`pack` for the arguments."""
+) -> Index | dict[str, Index]:
+    """Pack the ImageFolder tree ``src`` into ``dst``; see :func:`pack` for the arguments.
+
+    A tree whose folders are all split names (``train``, ``val``, ``test``, ...) each holding class
+    folders is packed split by split into ``dst/<split>/`` with one label mapping (the sorted union
+    of the class names), and gives ``{split: Index}``.
+    """
     root, directory = Path(src), Path(dst)
     workers = _check_args(shard_bytes, codec, workers)
-    classes, items = scan_image_folder(root)
+    options: dict[str, Any] = {
+        "shard_bytes": shard_bytes,
+        "codec": codec,
+        "workers": workers,
+        "progress": progress,
+        "shuffle": shuffle,
+        "seed": seed,
+        "skip_corrupt": skip_corrupt,
+        "verify_images": verify_images,
+    }
+    splits = image_folder_splits(root)
+    if not splits:
+        classes, items = scan_image_folder(root)
+        _prepare_destination(directory, root, overwrite)
+        return _pack_folder(root, directory, classes, items, **options)
+    classes = sorted({name for split in splits for name in _class_folders(root / split)})
+    scanned = {split: scan_image_folder(root / split, classes)[1] for split in splits}
     _prepare_destination(directory, root, overwrite)
+    return {
+        split: _pack_folder(root / split, directory / split, classes, items, **options)
+        for split, items in scanned.items()
+    }
+
+
+def _pack_folder(
+    root: Path,
+    directory: Path,
+    classes: Sequence[str],
+    items: Sequence[tuple[str, int, int]],
+    *,
+    shard_bytes: int,
+    codec: str,
+    workers: int,
+    progress: bool,
+    shuffle: bool,
+    seed: int,
+    skip_corrupt: bool,
+    verify_images: bool,
+) -> Index:
+    directory.mkdir(parents=True, exist_ok=True)
     fields = (Field(name="image", kind="image"), Field(name="label", kind="int"))
     encoder = RecordCodec(fields, codec)
     order = _order(len(items), shuffle, seed)
@@ -657,7 +730,7 @@ def pack(
     source: str | os.PathLike[str] | Iterable[Mapping[str, Any]],
     dst: str | os.PathLike[str],
     *,
-    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    shard_bytes: int | str = DEFAULT_SHARD_BYTES,
     codec: str = "raw",
     workers: int | None = None,
     overwrite: bool = False,
@@ -669,11 +742,12 @@ def pack(
 ) -> Index | dict[str, Index]:
     """Pack ``source`` into shards and an index under ``dst``; the engine of ``kaisoku pack``.
 
-    ``source``: an ImageFolder directory (-> one :class:`Index`), a ``.npz`` with x_<split>/y_<split>
+    ``source``: an ImageFolder directory (-> one :class:`Index`; a tree of split folders such as
+    train/val -> ``{split: Index}``, each in ``dst/<split>/``), a ``.npz`` with x_<split>/y_<split>
     arrays (-> ``{split: Index}``, each in ``dst/<split>/``), or an iterable of sample dicts
     (-> one :class:`Index`, packed in order, in this process).
 
-    ``shard_bytes``: target logical bytes per shard. ``codec``: raw | zstd | lz4 for non-image
+    ``shard_bytes``: target logical bytes per shard (an int or a size string such as ``"64MiB"``). ``codec``: raw | zstd | lz4 for non-image
     fields. ``workers``: packing processes (None: cores, at most 8; 0 or 1: in this process).
     ``overwrite``: replace a previous pack in a non-empty ``dst`` (other files there are left
     alone); without it a non-empty ``dst`` is an error. ``progress``: show a rich progress bar.
@@ -681,6 +755,7 @@ def pack(
     leave unreadable images out (listed in the index's ``skipped``) instead of failing.
     ``verify_images``: decode-check every image while packing.
     """
+    shard_bytes = parse_bytes(shard_bytes)
     if isinstance(source, str | os.PathLike):
         path = Path(source)
         if path.is_dir():

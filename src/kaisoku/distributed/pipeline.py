@@ -218,7 +218,10 @@ def restore_batchnorm_momentum(module: nn.Module) -> None:
 
 
 def named_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with parameters named as in the full model instead of numbered."""
+    """``optimizer.state_dict()`` with parameters named as in the full model instead of numbered.
+
+    Tensors are copied to the CPU, so the form is a snapshot that later steps do not change.
+    """
     raw = optimizer.state_dict()
     index_to_name: dict[int, str] = {}
     index = 0
@@ -229,7 +232,15 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str
     groups = []
     for raw_group in raw["param_groups"]:
         groups.append({**raw_group, "params": [index_to_name[i] for i in raw_group["params"]]})
-    return {"state": {index_to_name[i]: value for i, value in raw["state"].items()}, "param_groups": groups}
+    state = {
+        index_to_name[i]: {key: _snapshot(value) for key, value in per_param.items()}
+        for i, per_param in raw["state"].items()
+    }
+    return {"state": state, "param_groups": groups}
+
+
+def _snapshot(value: Any) -> Any:
+    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
 
 
 def load_named_optimizer_state(
@@ -468,13 +479,19 @@ class HybridParallel:
             loss.backward()
             local = loss.detach().reshape(1).to(torch.float64)
         else:
-            local = self._pipeline_step(inputs, targets)
+            local = self.pipeline_step(inputs, targets)
         self._average_gradients()
         # Only last-stage ranks hold a loss; one small world all-reduce hands it to everyone.
         dist.all_reduce(local)
         return float(local.item()) / self.layout.dp
 
-    def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Run the pipeline schedule alone on a replica batch (layouts with pp > 1).
+
+        No gradient averaging and no loss reduction: returns this rank's mean micro-batch loss as a
+        one-element float64 tensor (zero on ranks without the last stage). :meth:`forward_backward` is the
+        whole step; this piece is what a bubble measurement times.
+        """
         m = self.options.microbatches
         size = check_microbatches(int(targets.shape[0]), m)
         key = (tuple(inputs.shape), inputs.dtype)

@@ -7,6 +7,7 @@ sum over positions of g g^T`` with ``g`` the gradient of one sample's loss w.r.t
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -49,21 +50,28 @@ def test_linear_without_bias_has_no_bias_column() -> None:
     torch.testing.assert_close(kfac.layers[""].factors[0], x.T @ x / 4)
 
 
-def test_conv_factors_equal_explicit_patches() -> None:
+@pytest.mark.parametrize(
+    ("channels", "kernel", "stride", "padding", "size"),
+    [(2, 3, 2, 1, 5), (1, 2, 1, 0, 6)],  # patches wider than positions, and narrower
+)
+def test_conv_factors_equal_explicit_patches(
+    channels: int, kernel: int, stride: int, padding: int, size: int
+) -> None:
     torch.manual_seed(2)
-    conv = nn.Conv2d(2, 3, kernel_size=3, stride=2, padding=1)
-    x = torch.randn(2, 2, 5, 5)
-    target = torch.randn(2, 3, 3, 3)
+    conv = nn.Conv2d(channels, 3, kernel_size=kernel, stride=stride, padding=padding)
+    x = torch.randn(2, channels, size, size)
+    out_size = (size + 2 * padding - kernel) // stride + 1
+    target = torch.randn(2, 3, out_size, out_size)
     kfac = _one_step(conv, x, target)
-    padded = nn.functional.pad(x, (1, 1, 1, 1))
+    padded = nn.functional.pad(x, (padding,) * 4)
     patches, grads = [], []
     with torch.no_grad():
         g = 2 * (conv(x) - target)
     for n in range(2):
-        for i in range(3):
-            for j in range(3):
-                patch = padded[n, :, 2 * i : 2 * i + 3, 2 * j : 2 * j + 3].reshape(-1)
-                patches.append(torch.cat([patch, torch.ones(1)]))
+        for i in range(out_size):
+            for j in range(out_size):
+                window = padded[n, :, stride * i : stride * i + kernel, stride * j : stride * j + kernel]
+                patches.append(torch.cat([window.reshape(-1), torch.ones(1)]))
                 grads.append(g[n, :, i, j])
     expected_a = sum(torch.outer(p, p) for p in patches) / len(patches)
     expected_g = sum(torch.outer(v, v) for v in grads) / 2  # mean over samples, sum over positions

@@ -230,3 +230,19 @@ def test_bad_arguments_are_config_errors() -> None:
         KFAC(model)
     with pytest.raises(ConfigError, match="memory_mode"):
         KFAC(model, memory_mode="half", kl_clip=None)
+
+
+def test_gradient_accumulation_matches_one_big_batch() -> None:
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(3))
+    target = torch.randn(8, 2, generator=torch.Generator().manual_seed(4))
+    results = []
+    for accum in (1, 2):
+        torch.manual_seed(0)
+        layer = nn.Linear(3, 2)
+        kfac = KFAC(layer, kl_clip=None, grad_accum=accum)
+        for chunk_x, chunk_t in zip(x.chunk(accum), target.chunk(accum)):
+            (((layer(chunk_x) - chunk_t) ** 2).sum(1).mean() / accum).backward()
+        kfac.step()
+        results.append([f.clone() for f in kfac.layers[""].factors] + [layer.weight.grad.clone()])
+    for single, accumulated in zip(*results):
+        torch.testing.assert_close(accumulated, single, rtol=1e-5, atol=1e-6)

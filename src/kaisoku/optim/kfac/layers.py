@@ -223,6 +223,16 @@ class KFACLayer:
         raise NotImplementedError
 
 
+def _sum_outer(x: torch.Tensor) -> torch.Tensor:
+    """``sum over n, l of x[n, :, l] x[n, :, l]^T`` for ``x`` of shape (N, C, L)."""
+    channels = x.shape[1]
+    if channels <= x.shape[2]:
+        # The (N, C, C) batch of per-sample products is no larger than x, and needs no transposed copy.
+        return torch.bmm(x, x.transpose(1, 2)).sum(dim=0)
+    rows = x.transpose(1, 2).reshape(-1, channels)
+    return rows.T @ rows
+
+
 class KroneckerLayer(KFACLayer):
     """A layer whose Fisher block is approximated by ``A (x) G`` (Linear, Conv2d)."""
 
@@ -265,30 +275,28 @@ class KroneckerLayer(KFACLayer):
         if self.has_bias and self.module.bias.grad is not None:
             self.module.bias.grad.copy_(matrix[:, n_weight])
 
-    def _rows(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The input as (rows, features) without the bias column."""
+    def _input_sums(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(sum of a a^T, sum of a, number of rows)`` over the input rows ``a`` (no bias column)."""
         raise NotImplementedError
 
-    def _grad_rows(self, grad: torch.Tensor) -> torch.Tensor:
-        """The output gradient as (rows, out)."""
+    def _grad_sum(self, grad: torch.Tensor) -> torch.Tensor:
+        """``sum of g g^T`` over the output-gradient rows ``g``."""
         raise NotImplementedError
 
     def _on_forward(self, inputs: torch.Tensor) -> None:
-        rows = self._rows(inputs.float())
-        stat = rows.T @ rows
+        stat, column, rows = self._input_sums(inputs.float())
         if self.has_bias:
-            # The bias column of ones, appended without materializing a wider copy of the rows.
-            column = rows.sum(dim=0)
-            corner = torch.tensor([[float(rows.shape[0])]], dtype=stat.dtype, device=stat.device)
+            # The bias column of ones, appended to the product rather than to every row.
+            corner = torch.tensor([[float(rows)]], dtype=stat.dtype, device=stat.device)
             stat = torch.cat(
                 [torch.cat([stat, column[:, None]], dim=1), torch.cat([column[None, :], corner], dim=1)]
             )
-        self._accumulate(0, stat, float(rows.shape[0]))
+        self._accumulate(0, stat, float(rows))
 
     def _on_backward(self, grad: torch.Tensor, context: Any, scale: float) -> None:
         batch = grad.shape[0] if grad.dim() > 1 else 1
-        rows = self._grad_rows(grad.float()) * (batch / scale)
-        self._accumulate(1, rows.T @ rows, float(batch))
+        factor = batch / scale
+        self._accumulate(1, self._grad_sum(grad.float()) * (factor * factor), float(batch))
 
 
 class LinearLayer(KroneckerLayer):
@@ -298,11 +306,13 @@ class LinearLayer(KroneckerLayer):
         """``in_features`` (+1 with bias)."""
         return int(self.module.in_features) + (1 if self.has_bias else 0)
 
-    def _rows(self, inputs: torch.Tensor) -> torch.Tensor:
-        return inputs.reshape(-1, inputs.shape[-1])
+    def _input_sums(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        rows = inputs.reshape(-1, inputs.shape[-1])
+        return rows.T @ rows, rows.sum(dim=0), rows.shape[0]
 
-    def _grad_rows(self, grad: torch.Tensor) -> torch.Tensor:
-        return grad.reshape(-1, grad.shape[-1])
+    def _grad_sum(self, grad: torch.Tensor) -> torch.Tensor:
+        rows = grad.reshape(-1, grad.shape[-1])
+        return rows.T @ rows
 
 
 class Conv2dLayer(KroneckerLayer):
@@ -314,7 +324,7 @@ class Conv2dLayer(KroneckerLayer):
         kh, kw = module.kernel_size
         return int(module.in_channels * kh * kw) + (1 if self.has_bias else 0)
 
-    def _rows(self, inputs: torch.Tensor) -> torch.Tensor:
+    def _input_sums(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         module = self.module
         if inputs.dim() == 3:
             inputs = inputs.unsqueeze(0)
@@ -323,20 +333,16 @@ class Conv2dLayer(KroneckerLayer):
             if padding == "same":
                 inputs = F.pad(inputs, module._reversed_padding_repeated_twice)
             padding = 0
+        # (N, C*kh*kw, L): one column per output pixel.
         patches = F.unfold(
             inputs, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride
         )
-        return patches.transpose(1, 2).reshape(-1, patches.shape[1])
+        return _sum_outer(patches), patches.sum(dim=(0, 2)), patches.shape[0] * patches.shape[2]
 
-    def _grad_rows(self, grad: torch.Tensor) -> torch.Tensor:
+    def _grad_sum(self, grad: torch.Tensor) -> torch.Tensor:
         if grad.dim() == 3:
             grad = grad.unsqueeze(0)
-        return grad.permute(0, 2, 3, 1).reshape(-1, grad.shape[1])
-
-    def _on_backward(self, grad: torch.Tensor, context: Any, scale: float) -> None:
-        if grad.dim() == 3:
-            grad = grad.unsqueeze(0)
-        super()._on_backward(grad, context, scale)
+        return _sum_outer(grad.reshape(grad.shape[0], grad.shape[1], -1))
 
 
 class BatchNormLayer(KFACLayer):

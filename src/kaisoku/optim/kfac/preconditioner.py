@@ -103,6 +103,8 @@ class KFAC:
         skip_layers: module names or class names to leave to the base optimizer.
         grad_scaler: the ``torch.amp.GradScaler`` in use, if any, so that G is built from unscaled
             gradients.
+        grad_accum: micro-batches per step when each micro-batch's loss is divided by this number
+            (gradient accumulation); G is built from per-sample gradients of the undivided loss.
         bucket_cap_mb: size of the flat buffers the factor statistics are all-reduced in.
     """
 
@@ -122,6 +124,7 @@ class KFAC:
         bn: str = "diagonal",
         skip_layers: Iterable[str] = (),
         grad_scaler: Any = None,
+        grad_accum: int = 1,
         bucket_cap_mb: float = 25.0,
     ) -> None:
         if method not in METHODS:
@@ -139,6 +142,8 @@ class KFAC:
                 f"K-FAC KL clipping (kl_clip={kl_clip}) needs the learning rate: pass lr= a float, a "
                 "function of the step or the base optimizer, or kl_clip=None"
             )
+        if grad_accum < 1:
+            raise ConfigError(f"K-FAC grad_accum must be at least 1, got {grad_accum}")
         if bucket_cap_mb <= 0:
             raise ConfigError(f"K-FAC bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self.factor_update_steps = factor_update_steps
@@ -151,6 +156,7 @@ class KFAC:
         self.memory_mode = memory_mode
         self.bn = bn
         self.grad_scaler = grad_scaler
+        self.grad_accum = int(grad_accum)
         self.comm: Communicator = resolve_group(process_group)
         self._bucket_elements = max(1, int(bucket_cap_mb * 2**20 / 4))
         self.steps = 0
@@ -206,9 +212,11 @@ class KFAC:
         return self.steps % max(1, int(_at(self.factor_update_steps, self.steps))) == 0
 
     def _grad_scale(self) -> float:
-        if self.grad_scaler is None or not self.grad_scaler.is_enabled():
-            return 1.0
-        return float(self.grad_scaler.get_scale())
+        """What the output gradients are multiplied by, relative to those of a batch-mean loss."""
+        scale = 1.0 / self.grad_accum
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            scale *= float(self.grad_scaler.get_scale())
+        return scale
 
     def _current_lr(self) -> float:
         if isinstance(self.lr, torch.optim.Optimizer):

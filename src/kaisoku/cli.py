@@ -1,0 +1,250 @@
+"""The ``kaisoku`` command: train, datagen, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+
+from kaisoku.config import (
+    Config,
+    apply_mapping,
+    apply_override,
+    iter_fields,
+    load_toml,
+    to_toml,
+    type_name,
+    validate,
+)
+from kaisoku.errors import ConfigError, KaisokuError
+
+# Short flags for the settings people change most; each is also reachable by its dotted key.
+_SHORTCUTS = {
+    "nproc": "dist.nproc",
+    "max_steps": "train.max_steps",
+    "run_dir": "run_dir",
+    "resume": "checkpoint.resume",
+    "max_restarts": "dist.max_restarts",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line and exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def _metavar(tp: object) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return "{" + ",".join(str(v) for v in typing.get_args(tp)) + "}"
+    return type_name(tp).upper()
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="kaisoku train",
+        usage="kaisoku train [--preset NAME] [--config FILE.toml] [--section.field VALUE ...]",
+        description=(
+            "Train a model. The config comes from a preset, then a TOML file, then --section.field "
+            "overrides. With more than one rank and outside torchrun or srun, kaisoku starts the ranks "
+            "itself through torchrun (--standalone)."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--preset", default="cpu-demo", help="named preset to start from")
+    parser.add_argument("--config", help="TOML file applied over the preset")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config as TOML and exit"
+    )
+    parser.add_argument("--nproc", help="ranks to launch on this node (dist.nproc)")
+    parser.add_argument("--max-steps", help="stop after this many optimizer steps (train.max_steps)")
+    parser.add_argument("--run-dir", help="run folder (run_dir)")
+    parser.add_argument("--resume", help='"auto" or a checkpoint file (checkpoint.resume)')
+    parser.add_argument("--max-restarts", help="torchrun restarts after a failure (dist.max_restarts)")
+    group = parser.add_argument_group("config fields (--section.field VALUE)")
+    for key, tp, default, doc in iter_fields():
+        if key in _SHORTCUTS.values() and "." not in key:
+            continue  # a top-level field with a shortcut flag of the same name (--run-dir)
+        flags = [f"--{key}"]
+        if "_" in key:
+            flags.append(f"--{key.replace('_', '-')}")
+        group.add_argument(
+            *flags,
+            dest=f"cfg:{key}",
+            metavar=_metavar(tp),
+            help=f"{doc} (default: {default})",
+        )
+    return parser
+
+
+def resolve_config(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
+    """Parse ``kaisoku train`` arguments into a validated Config."""
+    from kaisoku.presets import get_preset
+
+    parser = _train_parser()
+    args, unknown = parser.parse_known_args(list(argv))
+    if unknown:
+        first = unknown[0]
+        if first.startswith("--"):
+            key = first[2:].split("=", 1)[0]
+            # Raises with the valid keys of the section it names.
+            apply_override(Config(), key, "0")
+        raise ConfigError(f"unexpected argument '{first}'; see kaisoku train --help")
+    cfg = get_preset(args.preset)
+    if args.config:
+        apply_mapping(cfg, load_toml(args.config))
+    for name, key in _SHORTCUTS.items():
+        value = getattr(args, name)
+        if value is not None:
+            apply_override(cfg, key, value)
+    for dest, value in vars(args).items():
+        if dest.startswith("cfg:") and value is not None:
+            apply_override(cfg, dest[4:], value)
+    validate(cfg)
+    return cfg, args
+
+
+def _default_nproc() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def cmd_train(argv: Sequence[str]) -> int:
+    """``kaisoku train``."""
+    from kaisoku.distributed.env import inside_slurm_step, inside_torchrun
+
+    cfg, args = resolve_config(argv)
+    if args.print_config:
+        sys.stdout.write(to_toml(cfg))
+        return 0
+    from kaisoku.engine.build import dataset_root, run_training
+
+    nproc = cfg.dist.nproc or _default_nproc()
+    if inside_torchrun() or inside_slurm_step() or nproc == 1:
+        run_training(cfg)
+        return 0
+    return _launch_torchrun(cfg, nproc, dataset_root)
+
+
+def _launch_torchrun(cfg: Config, nproc: int, dataset_root: object) -> int:
+    """Start ``nproc`` ranks on this node through torchrun's own entry points."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from kaisoku.engine.checkpoint import CheckpointManager
+    from kaisoku.fsutil import atomic_write_text
+
+    dataset_root(cfg)  # type: ignore[operator]  # generate the demo set once, before the ranks start
+    run_dir = Path(cfg.run_dir).expanduser()
+    config_path = run_dir / "config.toml"
+    atomic_write_text(config_path, to_toml(cfg))
+    cores = len(os.sched_getaffinity(0))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
+    torchrun_args = get_args_parser().parse_args(
+        [
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            f"--max-restarts={cfg.dist.max_restarts}",
+            "--monitor-interval=0.5",
+            "-m",
+            "kaisoku",
+            "train",
+            "--config",
+            str(config_path),
+        ]
+    )
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    try:
+        run(torchrun_args)
+    except ChildFailedError as error:
+        CheckpointManager(run_dir / "checkpoints", keep=cfg.checkpoint.keep).remove_partial()
+        rank, failure = error.get_first_failure()
+        how = (
+            f"signal {failure.signal_name()}"
+            if failure.signal_name() != "<N/A>"
+            else f"exit code {failure.exitcode}"
+        )
+        print(
+            f"kaisoku: rank {rank} stopped ({how}); all ranks were stopped. "
+            f"Complete checkpoints stay in {run_dir / 'checkpoints'}; rerun with --resume auto to continue.",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def cmd_datagen(argv: Sequence[str]) -> int:
+    """``kaisoku datagen DIR --count N --size S``."""
+    from kaisoku.data.datagen import CLASSES, generate
+
+    parser = _Parser(
+        prog="kaisoku datagen",
+        description="Write the procedurally drawn shapes dataset as JPEG class folders.",
+    )
+    parser.add_argument("dir", help="output folder (must be new or empty)")
+    parser.add_argument("--count", type=int, default=8000, help="training images")
+    parser.add_argument("--size", type=int, default=40, help="image side in pixels")
+    parser.add_argument("--val-count", type=int, default=None, help="validation images (default: count/10)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every drawing choice")
+    parser.add_argument("--workers", type=int, default=0, help="processes (0: one per core)")
+    args = parser.parse_args(list(argv))
+    root = generate(
+        args.dir,
+        count=args.count,
+        size=args.size,
+        val_count=args.val_count,
+        seed=args.seed,
+        workers=args.workers or None,
+    )
+    print(f"wrote {args.count} training images of {len(CLASSES)} classes to {root}")
+    return 0
+
+
+def cmd_bench(argv: Sequence[str]) -> int:
+    """``kaisoku bench NAME [--quick] [--out DIR]``."""
+    from kaisoku.bench import BENCHMARKS, run_benchmark
+
+    parser = _Parser(prog="kaisoku bench", description="Run a benchmark; results go to OUT/<name>.json.")
+    parser.add_argument("name", help=f"one of: {', '.join(BENCHMARKS)}")
+    parser.add_argument(
+        "--quick", action="store_true", help="a short run (< 1 minute) that skips missing peers"
+    )
+    parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON and plots")
+    args = parser.parse_args(list(argv))
+    run_benchmark(args.name, quick=args.quick, out_dir=Path(args.out))
+    return 0
+
+
+_COMMANDS = {"train": cmd_train, "datagen": cmd_datagen, "bench": cmd_bench}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``kaisoku`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        if not argv:
+            argv = ["train"]
+        else:
+            print(
+                "usage: kaisoku {" + ",".join(_COMMANDS) + "} ...\n\nkaisoku train runs the embedded default."
+            )
+            sys.exit(0)
+    command, rest = argv[0], argv[1:]
+    if command not in _COMMANDS:
+        print(f"kaisoku: unknown command '{command}'; choose one of: {', '.join(_COMMANDS)}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        code = _COMMANDS[command](rest)
+    except KaisokuError as error:
+        print(f"kaisoku: error: {error}", file=sys.stderr)
+        sys.exit(error.exit_code)
+    except KeyboardInterrupt:
+        print("kaisoku: interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code)

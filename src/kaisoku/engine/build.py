@@ -1,0 +1,204 @@
+"""Build every part of a run from its config, in one place, and hand them to the trainer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from kaisoku.config import Config, to_dict
+from kaisoku.data.datagen import ensure_demo_dataset
+from kaisoku.data.folder import EpochBatchSampler, ImageFolderDataset, ShardedEvalSampler, split_train_val
+from kaisoku.data.transforms import AugmentSpec, collate
+from kaisoku.distributed import env
+from kaisoku.distributed.data_parallel import BucketPlan, wrap_ddp
+from kaisoku.engine.checkpoint import CheckpointManager
+from kaisoku.engine.metrics import MetricsLogger, print_summary
+from kaisoku.engine.trainer import Trainer, TrainSettings, steps_for
+from kaisoku.models.zoo import build_model
+from kaisoku.optim.factory import build_optimizer, build_scheduler
+
+
+def dataset_root(cfg: Config) -> Path:
+    """The dataset folder: ``data.path``, or the demo set generated on first use."""
+    if cfg.data.path:
+        return Path(cfg.data.path).expanduser()
+    return ensure_demo_dataset(cfg.data.cache_dir)
+
+
+def _loader(
+    dataset: ImageFolderDataset, batch_sampler: Any, workers: int, device: torch.device
+) -> DataLoader:
+    return DataLoader(
+        dataset,
+        batch_sampler=batch_sampler,
+        num_workers=workers,
+        collate_fn=collate,
+        pin_memory=device.type == "cuda",
+        persistent_workers=workers > 0,
+        prefetch_factor=4 if workers > 0 else None,
+    )
+
+
+def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer:
+    """Every part of the run, built and wired; the process group is joined on the way."""
+    device = env.pick_device(cfg.train.device, world)
+    pg_init = env.ProcessGroupInit(world, device, cfg.dist.timeout, background=cfg.dist.eager_init)
+    build_start = time.perf_counter()
+    torch.manual_seed(cfg.train.seed)
+    train_files, val_files = split_train_val(dataset_root(cfg), cfg.data.val_fraction, cfg.train.seed)
+    num_classes = cfg.model.num_classes or len(train_files.classes)
+    model = build_model(
+        cfg.model.name,
+        num_classes=num_classes,
+        stem=cfg.model.stem,
+        zero_init_residual=cfg.model.zero_init_residual,
+        bn_momentum=cfg.model.bn_momentum,
+    ).to(device)
+    channels_last = device.type == "cuda"
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = build_optimizer(model, cfg.optim)
+    build_seconds = time.perf_counter() - build_start
+    pg_init.wait()
+    if world.distributed:
+        plan = BucketPlan(
+            mode=cfg.dist.buckets,
+            first_mb=cfg.dist.first_bucket_mb,
+            cap_mb=cfg.dist.bucket_cap_mb,
+            growth=cfg.dist.bucket_growth,
+        )
+        model = wrap_ddp(model, device, plan=plan, compress_bf16=cfg.dist.compress == "bf16")
+
+    sampler = EpochBatchSampler(
+        len(train_files),
+        global_batch=cfg.data.global_batch,
+        rank=world.rank,
+        world_size=world.world_size,
+        seed=cfg.train.seed,
+        micro_batches=cfg.train.grad_accum,
+    )
+    train_spec = AugmentSpec(size=cfg.data.image_size, train=True, scale=(cfg.data.crop_scale_min, 1.0))
+    val_spec = AugmentSpec(size=cfg.data.image_size, train=False)
+    workers = cfg.data.workers
+    train_loader = _loader(
+        ImageFolderDataset(train_files, train_spec, seed=cfg.train.seed), sampler, workers, device
+    )
+    val_sampler = ShardedEvalSampler(
+        len(val_files),
+        batch_size=cfg.data.global_batch // world.world_size,
+        rank=world.rank,
+        world_size=world.world_size,
+    )
+    val_loader = _loader(
+        ImageFolderDataset(val_files, val_spec, seed=cfg.train.seed), val_sampler, workers, device
+    )
+
+    horizon = steps_for(cfg.train.epochs, sampler.steps_per_epoch, 0)
+    total_steps = steps_for(cfg.train.epochs, sampler.steps_per_epoch, cfg.train.max_steps)
+    # The schedule spans the configured epochs; max_steps only stops early, so that a run stopped at
+    # max_steps and resumed follows the same learning-rate curve as one that never stopped.
+    scheduler = build_scheduler(
+        optimizer, cfg.sched, steps_per_epoch=sampler.steps_per_epoch, total_steps=horizon
+    )
+    run_dir = Path(cfg.run_dir).expanduser()
+    metrics = MetricsLogger(
+        run_dir,
+        enabled=world.is_main,
+        total_steps=total_steps,
+        progress=cfg.metrics.progress,
+        tensorboard=cfg.metrics.tensorboard,
+    )
+    trainer = Trainer(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_loader=train_loader,
+        train_sampler=sampler,
+        val_loader=val_loader,
+        settings=TrainSettings(
+            total_steps=total_steps,
+            grad_accum=cfg.train.grad_accum,
+            precision=cfg.train.precision,
+            label_smoothing=cfg.train.label_smoothing,
+            val_every=cfg.train.val_every,
+            log_every=cfg.train.log_every,
+            checkpoint_every=cfg.checkpoint.every_steps,
+            global_batch=cfg.data.global_batch,
+            channels_last=channels_last,
+        ),
+        world=world,
+        device=device,
+        metrics=metrics,
+        checkpoints=CheckpointManager(run_dir / "checkpoints", keep=cfg.checkpoint.keep),
+        config_dict=to_dict(cfg),
+    )
+    metrics.log(
+        {
+            "event": "start",
+            "world_size": world.world_size,
+            "device": str(device),
+            "build_seconds": build_seconds,
+            "process_group_seconds": pg_init.seconds,
+            "eager_init": cfg.dist.eager_init,
+        }
+    )
+    if resume:
+        _resume(trainer, resume)
+    return trainer
+
+
+def _resume(trainer: Trainer, resume: str) -> None:
+    """Load the checkpoint that ``resume`` names ("auto": the newest valid one; none yet is fine)."""
+    assert trainer.checkpoints is not None
+    path: str | None = None
+    if trainer.world.is_main:
+        if resume == "auto":
+            trainer.checkpoints.remove_partial()
+            found = trainer.checkpoints.latest_valid()
+            path = str(found[0]) if found else None
+        else:
+            path = resume
+    # Rank 0 picks the file so that every rank loads the same one even while files change.
+    path = env.broadcast_object(path)  # type: ignore[assignment]
+    if path is None:
+        trainer.metrics.message("no checkpoint to resume from; starting fresh")
+        return
+    state = CheckpointManager.load(Path(path))
+    trainer.load_state_dict(state, source=f"checkpoint {path}")
+    trainer.metrics.message(f"resumed from {path} at step {trainer.state.step}")
+
+
+def run_training(cfg: Config) -> dict[str, Any]:
+    """Train on the world this process belongs to; rank 0 prints the summary. Returns the summary."""
+    world = env.world_from_env()
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or _threads_per_rank(world)))
+    resume = cfg.checkpoint.resume
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        resume = "auto"  # a rank restarted by torchrun continues from the newest checkpoint
+    # torchrun stops the other ranks with SIGTERM when one fails: exit through Python so that
+    # a checkpoint being written removes its temp file instead of leaving it behind.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    trainer = build_trainer(cfg, world, resume=resume)
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.metrics.close()
+    if world.is_main:
+        print_summary(summary)
+    env.shutdown()
+    return summary
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _threads_per_rank(world: env.World) -> int:
+    cores = len(os.sched_getaffinity(0))
+    return max(1, cores // max(1, world.local_world_size))

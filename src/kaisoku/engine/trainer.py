@@ -1,0 +1,362 @@
+"""The training loop. It receives built parts (model, optimizer, loaders, ...) and parses no config."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from kaisoku.data.transforms import normalize
+from kaisoku.distributed import env
+from kaisoku.engine.checkpoint import CheckpointManager
+from kaisoku.engine.metrics import MetricsLogger, peak_memory_mib
+from kaisoku.errors import KaisokuError
+
+
+class EpochSampler(Protocol):
+    """What the trainer needs from a training sampler: epochs, a start step, and its state."""
+
+    steps_per_epoch: int
+
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        """Point the next iteration at ``epoch`` from ``start_step``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the sampler is, for a checkpoint."""
+
+
+class Preconditioner(Protocol):
+    """A gradient preconditioner run between backward and the optimizer step (e.g. K-FAC)."""
+
+    def step(self) -> None:
+        """Replace the gradients with preconditioned ones."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """State for a checkpoint."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from a checkpoint."""
+
+
+@dataclass(kw_only=True)
+class TrainSettings:
+    """Loop settings the trainer needs, already resolved from the config."""
+
+    total_steps: int
+    """Optimizer steps to run in all."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    precision: str = "fp32"
+    """fp32, bf16 or fp16 (fp16 with a gradient scaler, CUDA only)."""
+    label_smoothing: float = 0.0
+    """Cross-entropy label smoothing."""
+    val_every: int = 0
+    """Validate every N steps; 0: at each epoch's end."""
+    log_every: int = 10
+    """Metrics line every N steps."""
+    checkpoint_every: int = 0
+    """Checkpoint every N steps; 0: at each epoch's end."""
+    global_batch: int = 0
+    """Samples per optimizer step over all ranks (for samples/s)."""
+    channels_last: bool = False
+    """Feed the model channels-last tensors (faster convolutions on CUDA)."""
+
+
+@dataclass
+class TrainState:
+    """Where the run is."""
+
+    step: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Trainer:
+    """Runs the optimisation loop with DDP, AMP, accumulation, validation, checkpoints and metrics."""
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        train_loader: torch.utils.data.DataLoader,
+        train_sampler: EpochSampler,
+        val_loader: torch.utils.data.DataLoader | None,
+        settings: TrainSettings,
+        world: env.World,
+        device: torch.device,
+        metrics: MetricsLogger,
+        checkpoints: CheckpointManager | None,
+        config_dict: dict[str, Any] | None = None,
+        preconditioner: Preconditioner | None = None,
+        on_step: Callable[[int], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.train_loader = train_loader
+        self.train_sampler = train_sampler
+        self.val_loader = val_loader
+        self.settings = settings
+        self.world = world
+        self.device = device
+        self.metrics = metrics
+        self.checkpoints = checkpoints
+        self.config_dict = config_dict or {}
+        self.preconditioner = preconditioner
+        self.on_step = on_step
+        self.state = TrainState()
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=settings.label_smoothing)
+        if settings.precision == "fp16" and device.type != "cuda":
+            raise KaisokuError("train.precision fp16 needs CUDA; use bf16 on the CPU")
+        self.scaler = torch.amp.GradScaler("cuda", enabled=settings.precision == "fp16")
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(settings.precision)
+        self.last_val: dict[str, float] = {}
+
+    # ------------------------------------------------------------------------------------------------
+    # State
+
+    @property
+    def unwrapped(self) -> nn.Module:
+        """The model without its DDP wrapper."""
+        return getattr(self.model, "module", self.model)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue exactly."""
+        state: dict[str, Any] = {
+            "model": self.unwrapped.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "step": self.state.step,
+            "data": {
+                "epoch": self.state.epoch,
+                "step_in_epoch": self.state.step_in_epoch,
+                "sampler": self.train_sampler.state_dict(),
+            },
+            "rng": {"torch": torch.get_rng_state()},
+            "world_size": self.world.world_size,
+            "config": self.config_dict,
+        }
+        if self.preconditioner is not None:
+            state["preconditioner"] = self.preconditioner.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], *, source: str = "checkpoint") -> None:
+        """Restore a :meth:`state_dict`; a mismatch names ``source``."""
+        try:
+            self.unwrapped.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as error:
+            first = str(error).strip().splitlines()[0]
+            raise KaisokuError(f"{source} does not match this model or optimizer: {first}") from None
+        saved = state["data"]["sampler"]
+        current = self.train_sampler.state_dict()
+        for key in ("seed", "num_samples", "global_batch"):
+            if key in saved and key in current and saved[key] != current[key]:
+                raise KaisokuError(
+                    f"{source} was taken with data {key}={saved[key]}, this run has {current[key]}; "
+                    "resume with the same data settings or start a new --run-dir"
+                )
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        if self.preconditioner is not None and "preconditioner" in state:
+            self.preconditioner.load_state_dict(state["preconditioner"])
+        torch.set_rng_state(state["rng"]["torch"])
+        self.state = TrainState(
+            step=int(state["step"]),
+            epoch=int(state["data"]["epoch"]),
+            step_in_epoch=int(state["data"]["step_in_epoch"]),
+        )
+
+    def save_checkpoint(self) -> None:
+        """Rank 0 writes a checkpoint; every rank waits so that none runs ahead of a failed save."""
+        if self.checkpoints is not None and self.world.is_main:
+            path = self.checkpoints.save(self.state_dict())
+            self.metrics.message(f"checkpoint {path}")
+        env.barrier()
+
+    # ------------------------------------------------------------------------------------------------
+    # Steps
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _prepare(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        images = images.to(self.device, non_blocking=True)
+        labels = labels.to(self.device, non_blocking=True)
+        images = normalize(images)
+        if self.settings.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return images, labels
+
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One optimizer step over ``micro_batches``; returns the mean loss as a device tensor (no sync)."""
+        self.model.train()
+        total = torch.zeros((), device=self.device)
+        count = len(micro_batches)
+        for k, (images, labels) in enumerate(micro_batches):
+            images, labels = self._prepare(images, labels)
+            last = k == count - 1
+            sync = (
+                contextlib.nullcontext()
+                if last or not hasattr(self.model, "no_sync")
+                else self.model.no_sync()
+            )
+            with sync:
+                with self._autocast():
+                    loss = self.criterion(self.model(images), labels) / count
+                self.scaler.scale(loss).backward()
+            total += loss.detach().float()
+        if self.preconditioner is not None:
+            self.scaler.unscale_(self.optimizer)
+            self.preconditioner.step()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return total
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Loss and top-1 accuracy over the whole validation set, all-reduced over ranks."""
+        if self.val_loader is None:
+            return {}
+        self.model.eval()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        correct = torch.zeros((), dtype=torch.float64, device=self.device)
+        seen = 0
+        for images, labels in self.val_loader:
+            images, labels = self._prepare(images, labels)
+            with self._autocast():
+                logits = self.unwrapped(images)
+            loss_sum += nn.functional.cross_entropy(logits.float(), labels, reduction="sum").double()
+            correct += (logits.argmax(dim=1) == labels).sum().double()
+            seen += labels.numel()
+        totals = env.all_reduce_sum([loss_sum.item(), correct.item(), float(seen)], self.device)
+        self.model.train()
+        count = max(totals[2], 1.0)
+        return {
+            "val_loss": totals[0] / count,
+            "val_accuracy": totals[1] / count,
+            "val_samples": int(totals[2]),
+        }
+
+    # ------------------------------------------------------------------------------------------------
+    # Loop
+
+    def _epoch_batches(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+        self.train_sampler.set_epoch(self.state.epoch, self.state.step_in_epoch)
+        micro: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for batch in self.train_loader:
+            micro.append(batch)
+            if len(micro) == self.settings.grad_accum:
+                yield micro
+                micro = []
+
+    def fit(self) -> dict[str, Any]:
+        """Train until ``total_steps``; return the run summary (throughput, loss, accuracy)."""
+        settings = self.settings
+        steps_per_epoch = self.train_sampler.steps_per_epoch
+        start_step = self.state.step
+        running_loss = torch.zeros((), device=self.device)
+        window_steps = 0
+        window_start = time.perf_counter()
+        window_wait = 0.0
+        run_start = time.perf_counter()
+        last_loss = float("nan")
+        self.metrics.advance(self.state.step)
+        while self.state.step < settings.total_steps:
+            batches = self._epoch_batches()
+            while self.state.step < settings.total_steps:
+                wait_start = time.perf_counter()
+                try:
+                    micro = next(batches)
+                except StopIteration:
+                    break
+                window_wait += time.perf_counter() - wait_start
+                loss = self.train_step(micro)
+                running_loss += loss
+                window_steps += 1
+                self.state.step += 1
+                self.state.step_in_epoch += 1
+                if self.on_step is not None:
+                    self.on_step(self.state.step)
+                end_of_epoch = self.state.step_in_epoch >= steps_per_epoch
+                done = self.state.step >= settings.total_steps
+                if self.state.step % settings.log_every == 0 or done:
+                    elapsed = time.perf_counter() - window_start
+                    last_loss = (running_loss / window_steps).item()
+                    rate = window_steps * settings.global_batch / max(elapsed, 1e-9)
+                    self.metrics.log(
+                        {
+                            "step": self.state.step,
+                            "epoch": self.state.epoch + self.state.step_in_epoch / steps_per_epoch,
+                            "loss": last_loss,
+                            "lr": self.optimizer.param_groups[0]["lr"],
+                            "samples_per_s": rate,
+                            "data_wait_fraction": window_wait / max(elapsed, 1e-9),
+                            "peak_memory_mib": peak_memory_mib(self.device),
+                        }
+                    )
+                    self.metrics.advance(self.state.step, loss=last_loss, rate=rate)
+                    running_loss.zero_()
+                    window_steps, window_wait = 0, 0.0
+                    window_start = time.perf_counter()
+                if end_of_epoch:
+                    self.state.epoch += 1
+                    self.state.step_in_epoch = 0
+                validate_now = (settings.val_every > 0 and self.state.step % settings.val_every == 0) or (
+                    settings.val_every == 0 and end_of_epoch
+                )
+                if validate_now and not done:
+                    self._run_validation()
+                checkpoint_now = (
+                    settings.checkpoint_every > 0 and self.state.step % settings.checkpoint_every == 0
+                ) or (settings.checkpoint_every == 0 and end_of_epoch)
+                if checkpoint_now and not done:
+                    self.save_checkpoint()
+                if end_of_epoch:
+                    break
+        wall = time.perf_counter() - run_start
+        val = self._run_validation()
+        self.save_checkpoint()
+        steps_run = self.state.step - start_step
+        return {
+            "steps": self.state.step,
+            "epochs": self.state.step / steps_per_epoch,
+            "final_loss": last_loss,
+            "samples_per_s": steps_run * settings.global_batch / max(wall, 1e-9),
+            "train_seconds": wall,
+            **val,
+            "peak_memory_mib": peak_memory_mib(self.device),
+        }
+
+    def _run_validation(self) -> dict[str, float]:
+        start = time.perf_counter()
+        val = self.validate()
+        if val:
+            self.last_val = val
+            self.metrics.log({"step": self.state.step, "epoch": self.state.epoch, **val})
+            self.metrics.message(
+                f"step {self.state.step}: val loss {val['val_loss']:.4f}, "
+                f"accuracy {100 * val['val_accuracy']:.2f}% ({time.perf_counter() - start:.1f} s)"
+            )
+        return val
+
+
+def steps_for(epochs: float, steps_per_epoch: int, max_steps: int) -> int:
+    """Total optimizer steps for ``epochs`` (fractional allowed), capped by ``max_steps`` when > 0."""
+    total = max(1, math.ceil(epochs * steps_per_epoch))
+    return min(total, max_steps) if max_steps > 0 else total
