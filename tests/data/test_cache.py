@@ -21,11 +21,13 @@ from kaisoku.data.cache import (
     belady_evictions,
     first_use_order,
     node_trace,
+    parse_bytes,
     plan_staging,
     sampler_trace_fn,
 )
 from kaisoku.data.sampler import EpochSampler
 from kaisoku.data.shuffle import ShuffleSpec, epoch_order, partial_plan, shard_of, shard_offsets
+from kaisoku.errors import KaisokuError
 from tests.dist_harness import run_ranks
 
 RECORD = 64
@@ -280,8 +282,57 @@ def test_reader_unpickled_in_a_worker_attaches(tmp_path: Path, ram_dir: Path) ->
         worker = pickle.loads(pickle.dumps(cache))
         assert read_record(worker, 123, SIZES) == record_bytes(123)
         assert worker.stats()["ram_opens"] >= 1 and worker.stats()["source_reads"] == 0
+        worker.close()  # a worker's close must leave the node's files alone
+        assert read_record(cache, 7, SIZES) == record_bytes(7)
+        assert len(list((ram_dir / "shards").iterdir())) == len(SIZES)
     finally:
         cache.close()
+
+
+def test_resumed_sampler_stages_from_its_step(tmp_path: Path, ram_dir: Path) -> None:
+    paths = make_source(tmp_path / "source", SIZES)
+    before = _sampler()
+    for _ in zip(range(6), before):
+        pass
+    sampler = _sampler()
+    sampler.load_state_dict(before.state_dict())
+    cache = NodeCache.for_sampler(
+        sampler,
+        paths,
+        ranks_per_node=1,
+        ram_dir=ram_dir,
+        ram_capacity=10 * SHARD_BYTES,
+        run_token="t7",
+        num_epochs=1,
+        shard_bytes=[SHARD_BYTES] * len(SIZES),
+    )
+    try:
+        remaining = train_epoch(cache, sampler, 0)
+        assert remaining == (sampler.num_batches() - 6) * 20
+        assert cache.wait_staged(0, timeout=30)
+        trace = node_trace(
+            sampler.epoch_order(0),
+            global_batch=20,
+            world_size=1,
+            ranks_per_node=1,
+            node=0,
+            shard_sizes=SIZES,
+            start_step=6,
+        )
+        loads = [ev.shard for _, _, ev in cache.stager_log if ev.kind == "load"]
+        assert loads == first_use_order(trace).tolist()
+        assert cache.node_stats()["source_reads"] == len(loads)
+    finally:
+        cache.close()
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("2GiB") == 2 << 30
+    assert parse_bytes("512 MB") == 512_000_000
+    assert parse_bytes("1.5kib") == 1536
+    assert parse_bytes(0) == 0
+    with pytest.raises(KaisokuError, match="2GiB"):
+        parse_bytes("lots")
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -358,6 +409,30 @@ def test_unwritable_local_dir_warns_once(
         cache.close()
     messages = _warnings(caplog)
     assert len(messages) == 1 and "not writable" in messages[0]
+
+
+def test_too_small_cache_for_a_global_order_warns(
+    tmp_path: Path, ram_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    paths = make_source(tmp_path / "source", SIZES)
+    sampler = _sampler(ShuffleSpec(name="global"))
+    caplog.set_level(logging.WARNING, logger="kaisoku.data.cache")
+    cache = NodeCache.for_sampler(
+        sampler,
+        paths,
+        ranks_per_node=1,
+        ram_dir=ram_dir,
+        ram_capacity=2 * SHARD_BYTES,
+        run_token="t8",
+        num_epochs=2,
+    )
+    try:
+        train_epoch(cache, sampler, 0)  # still correct, only slow
+        assert cache.wait_staged(0, timeout=30)
+    finally:
+        cache.close()
+    messages = _warnings(caplog)
+    assert len(messages) == 1 and "too small for this order" in messages[0]
 
 
 def _node_of_two_ranks(rank: int, world_size: int, tmp: Path, ram_dir: str) -> dict[str, int]:

@@ -26,6 +26,7 @@ from kaisoku.distributed.pipeline import (
     named_optimizer_state,
     parameter_costs,
     partition_blocks,
+    replica_batch_slice,
 )
 from kaisoku.errors import ConfigError, KaisokuError
 from kaisoku.models.blocks import check_blocks_cover, ordered_blocks, run_blocks, state_names
@@ -64,7 +65,9 @@ def sgd(named: Iterable[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
     return torch.optim.SGD([p for _, p in named], lr=LR, momentum=0.9)
 
 
-def batches(sizes: list[int], shape: tuple[int, ...] = (8,), seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    sizes: list[int], shape: tuple[int, ...] = (8,), seed: int = 1
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     return [
         (torch.randn(size, *shape, generator=generator), torch.randint(0, 4, (size,), generator=generator))
@@ -138,7 +141,8 @@ def train_layout(
 def slice_replica(
     inputs: torch.Tensor, targets: torch.Tensor, dp_index: int, dp_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return inputs.chunk(dp_size)[dp_index], targets.chunk(dp_size)[dp_index]
+    part = replica_batch_slice(int(targets.shape[0]), dp_index, dp_size)
+    return inputs[part], targets[part]
 
 
 def assert_states_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -183,11 +187,19 @@ def test_batch_not_divisible_by_microbatches_names_the_numbers() -> None:
         check_microbatches(10, 4)
 
 
+def test_replica_slices_cover_the_global_batch() -> None:
+    assert [replica_batch_slice(12, d, 3) for d in range(3)] == [slice(0, 4), slice(4, 8), slice(8, 12)]
+    with pytest.raises(KaisokuError, match="global batch of 10 samples does not split into dp 4"):
+        replica_batch_slice(10, 0, 4)
+
+
 def test_schedule_checks() -> None:
     check_schedule("1f1b", 2, 2, 1)
     with pytest.raises(ConfigError, match="unknown parallel.schedule 'zb'"):
         check_schedule("zb", 2, 4, 1)
-    with pytest.raises(ConfigError, match="1f1b needs at least pp 4 micro-batches, got parallel.microbatches 2"):
+    with pytest.raises(
+        ConfigError, match="1f1b needs at least pp 4 micro-batches, got parallel.microbatches 2"
+    ):
         check_schedule("1f1b", 4, 2, 1)
     with pytest.raises(ConfigError, match="virtual_stages 2 needs parallel.schedule 'interleaved-1f1b'"):
         check_schedule("gpipe", 2, 4, 2)
@@ -253,7 +265,9 @@ def test_named_optimizer_state_survives_a_regrouping() -> None:
     params = list(model.parameters())
     # Two "stages" with their own optimizers; the second has a group with another learning rate.
     stage_a = torch.optim.SGD(params[:4], lr=LR, momentum=0.9)
-    stage_b = torch.optim.SGD([{"params": params[4:6]}, {"params": params[6:], "lr": 0.5}], lr=LR, momentum=0.9)
+    stage_b = torch.optim.SGD(
+        [{"params": params[4:6]}, {"params": params[6:], "lr": 0.5}], lr=LR, momentum=0.9
+    )
     model(torch.randn(4, 8)).sum().backward()
     stage_a.step()
     stage_b.step()
@@ -263,9 +277,15 @@ def test_named_optimizer_state_survives_a_regrouping() -> None:
     )
     assert [g["params"] for g in merged["param_groups"]] == [order[:6], order[6:]]
     assert list(merged["state"]) == order
-    whole = torch.optim.SGD([{"params": params[6:], "lr": 9.0}, {"params": params[:6]}], lr=9.0, momentum=0.9)
+    # Built from named parameters, as the optimizer factory does: the groups keep their own names.
+    named_params = list(model.named_parameters())
+    whole = torch.optim.SGD(
+        [{"params": named_params[6:], "lr": 9.0}, {"params": named_params[:6]}], lr=9.0, momentum=0.9
+    )
     load_named_optimizer_state(whole, merged, names)
     assert whole.param_groups[0]["lr"] == 0.5 and whole.param_groups[1]["lr"] == LR
+    assert whole.param_groups[0]["param_names"] == order[6:]
+    assert "param_names" not in named_optimizer_state(whole, names)["param_groups"][0]
     for p in params:
         source = stage_a if any(p is q for q in params[:4]) else stage_b
         torch.testing.assert_close(whole.state[p]["momentum_buffer"], source.state[p]["momentum_buffer"])
@@ -310,7 +330,9 @@ def test_pp2_schedules_match_one_process(tmp_path: Path) -> None:
         # Both ranks split the model alike, also when the split comes from timing on rank 0.
         assert ranks[0][schedule][2] == ranks[1][schedule][2]
         assert len(ranks[0][schedule][2]) == (4 if schedule == "interleaved-1f1b" else 2)
-    vit_losses, vit_state = reference_training(tiny_vit(), batches([8, 8], shape=(3, 8, 8)), dp=1, microbatches=2)
+    vit_losses, vit_state = reference_training(
+        tiny_vit(), batches([8, 8], shape=(3, 8, 8)), dp=1, microbatches=2
+    )
     assert ranks[1]["vit"][0] == pytest.approx(vit_losses, rel=1e-5)
     assert_states_close(ranks[0]["vit"][1], vit_state)
 
@@ -338,7 +360,9 @@ def test_batchnorm_uses_microbatch_statistics_and_rescaled_momentum(tmp_path: Pa
     ranks = run_ranks(_batchnorm_policy, 2, tmp_path)
     data = batches([16, 16])
     policy_momentum = 1 - 0.9 ** (1 / 4)
-    expected_losses, expected_state = reference_training(mlp_batchnorm(), data, 1, 4, bn_momentum=policy_momentum)
+    expected_losses, expected_state = reference_training(
+        mlp_batchnorm(), data, 1, 4, bn_momentum=policy_momentum
+    )
     # Stage 0 holds the BatchNorm; the model keeps its own momentum once the layout is closed.
     assert ranks[0]["momenta"] == [pytest.approx(policy_momentum)]
     assert ranks[0]["restored"] == [0.1]

@@ -24,9 +24,16 @@ trace from (seed, epoch) for the current epoch with the next epoch as look-ahead
 the local tier into RAM), writes them to a temporary name and renames, and it runs ahead of training as
 far as the capacities allow. An eviction waits until every rank of the node has reported (through
 :meth:`NodeCache.mark_progress`) that it finished the step of the victim's last use before the eviction.
-Readers memory-map RAM or local files; a shard being staged is waited for; anything else is read from the
-source. When the local directory is full or unwritable, staging into it stops with one warning and
-training goes on from RAM or the source.
+Readers memory-map RAM or local files; a shard whose load needs no more reader progress (the stager's
+open window) is waited for; anything else is read from the source, so no wait can deadlock. When the
+local directory is full or unwritable, staging into it stops with one warning and training goes on from
+RAM or the source. Counters (source reads and bytes, per process, summed per node) let a test or a
+benchmark check that an epoch read nothing from the source.
+
+Every rank of a node calls, in order: ``NodeCache.for_sampler(...)`` (after ``sampler.load_state_dict``
+when resuming), then per epoch ``sampler.set_epoch(e)`` and ``cache.mark_progress(e, sampler.step)``, and
+``cache.mark_progress(e, k)`` as batch ``k - 1`` reaches the training loop; at the end a barrier and
+``cache.close()``. The dataset reads through ``cache.shard_buffer`` (its ``shard_opener``).
 """
 
 from __future__ import annotations
@@ -421,6 +428,28 @@ _EPOCH_SHIFT = 32
 _COPY_CHUNK = 8 << 20
 
 
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_bytes(value: str | int) -> int:
+    """A byte count from an int or a string such as ``"2GiB"``, ``"512MB"``, ``"1.5 GiB"`` or ``"0"``."""
+    if isinstance(value, int):
+        if value < 0:
+            raise KaisokuError(f"byte size {value} is negative")
+        return value
+    text = value.strip().lower().replace(" ", "").replace("_", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number) :]
+    try:
+        amount = float(number)
+    except ValueError:
+        amount = -1.0
+    if unit not in _UNITS or amount < 0:
+        raise KaisokuError(f"cannot read {value!r} as a byte size; write e.g. 2GiB, 512MB or 0")
+    return int(amount * _UNITS[unit])
+
+
 def progress_ticket(epoch: int, steps_done: int) -> int:
     """Progress as one integer: epoch in the high bits, steps finished in it in the low bits."""
     return (int(epoch) << _EPOCH_SHIFT) | int(steps_done)
@@ -437,7 +466,9 @@ class NodeCache:
     ``ram_capacity > 0``, the RAM tier (put it on /dev/shm); every rank of a node must pass the same
     ``ram_dir``, ``local_dir`` and ``run_token`` (a value unique to the run, e.g. the rendezvous id).
     Local rank 0 starts the stager with ``schedule`` (the other ranks' ``schedule`` is ignored); with both
-    capacities 0 there is no stager and every read goes to the source.
+    capacities 0 there is no stager and every read goes to the source. ``shard_bytes`` (file sizes, e.g.
+    from the dataset's index) saves the stager a ``stat`` per shard on the source.
+    ``shard_buffer`` is the dataset's ``shard_opener``; ``read_range`` serves a record alone.
     """
 
     def __init__(
@@ -454,6 +485,7 @@ class NodeCache:
         wait_timeout: float = 600.0,
         max_open: int = 64,
         schedule: StagingSchedule | None = None,
+        shard_bytes: Sequence[int] | None = None,
     ) -> None:
         if not 0 <= local_rank < ranks_per_node:
             raise KaisokuError(f"local rank {local_rank} is outside 0..{ranks_per_node - 1}")
@@ -472,6 +504,11 @@ class NodeCache:
         self.run_token = run_token or "kaisoku"
         self.wait_timeout = wait_timeout
         self.max_open = max_open
+        self._given_shard_bytes = None if shard_bytes is None else [int(b) for b in shard_bytes]
+        if self._given_shard_bytes is not None and len(self._given_shard_bytes) != self.num_shards:
+            raise KaisokuError(
+                f"{len(self._given_shard_bytes)} shard sizes for {self.num_shards} shard paths"
+            )
         self.stager_log: list[tuple[int, str, CacheEvent]] = []
         """(epoch, tier, event) of every action the stager executed (local rank 0 only)."""
         self._maps: OrderedDict[int, tuple[str, memoryview]] = OrderedDict()
@@ -481,6 +518,8 @@ class NodeCache:
         self._staged = threading.Condition()
         self._staged_epoch = -1
         self._warned: set[str] = set()
+        # Only the process that prepared the node (not a forked DataLoader worker) stages or deletes files.
+        self._owner_pid = os.getpid() if local_rank == 0 else None
         if local_rank == 0:
             self._initialise()
             self._open_control()
@@ -490,6 +529,47 @@ class NodeCache:
             atomic_write_text(self.ram_dir / "ready", self.run_token)
         else:
             self._attach()
+
+    @classmethod
+    def for_sampler(
+        cls,
+        sampler: EpochSampler,
+        source_paths: Sequence[str | os.PathLike[str]],
+        *,
+        ranks_per_node: int,
+        ram_dir: str | os.PathLike[str],
+        ram_capacity: int = 0,
+        local_dir: str | os.PathLike[str] | None = None,
+        local_capacity: int = 0,
+        run_token: str = "",
+        num_epochs: int | None = None,
+        shard_bytes: Sequence[int] | None = None,
+    ) -> NodeCache:
+        """The node cache of ``sampler``'s rank, staging from the sampler's epoch and step on.
+
+        Build the sampler and load its state first, so that a resumed run stages from where it stopped.
+        Node and local rank follow from contiguous rank numbers: ``rank // ranks_per_node`` and
+        ``rank % ranks_per_node``.
+        """
+        node, local_rank = divmod(sampler.rank, ranks_per_node)
+        schedule = StagingSchedule(
+            sampler_trace_fn(sampler, node=node, ranks_per_node=ranks_per_node),
+            first_epoch=sampler.epoch,
+            start_step=sampler.step,
+            num_epochs=num_epochs,
+        )
+        return cls(
+            source_paths,
+            ram_dir=ram_dir,
+            ram_capacity=ram_capacity,
+            local_dir=local_dir,
+            local_capacity=local_capacity,
+            local_rank=local_rank,
+            ranks_per_node=ranks_per_node,
+            run_token=run_token,
+            schedule=schedule,
+            shard_bytes=shard_bytes,
+        )
 
     # ---------------------------------------------------------------- control files
 
@@ -521,7 +601,7 @@ class NodeCache:
                 self._local_shards.mkdir(parents=True)
                 local_on = 1
             except OSError as error:
-                self._warn_once(
+                self._warn_tier_off(
                     "local", f"local cache {self.local_dir} is not writable ({error.strerror or error})"
                 )
         control = np.memmap(self.ram_dir / "control.bin", dtype=np.int64, mode="r+")
@@ -593,17 +673,22 @@ class NodeCache:
         self._staged = threading.Condition()
         self._staged_epoch = -1
         self._warned = set()
+        self._owner_pid = None
         self._attach()
 
     def _count(self, name: str, amount: int = 1, row: int | None = None) -> None:
         self._counters[self.local_rank if row is None else row, COUNTERS.index(name)] += amount
 
-    def _warn_once(self, tier: str, reason: str) -> None:
-        if tier in self._warned:
+    def _warn_once(self, key: str, message: str) -> None:
+        """Log ``message`` the first time ``key`` comes up in this process, never again."""
+        if key in self._warned:
             return
-        self._warned.add(tier)
+        self._warned.add(key)
+        log.warning("%s", message)
+
+    def _warn_tier_off(self, tier: str, reason: str) -> None:
         fallback = "the source" if tier == "ram" or self.ram_capacity == 0 else "RAM and the source"
-        log.warning("%s; staging into it stops and training reads from %s", reason, fallback)
+        self._warn_once(tier, f"{reason}; staging into it stops and training reads from {fallback}")
 
     # ---------------------------------------------------------------- readers
 
@@ -685,17 +770,20 @@ class NodeCache:
         for _ in range(3):
             tier = self._resolve(shard)
             if tier == "source":
-                data = self.source_paths[shard].read_bytes()
-                self._count("source_reads")
-                self._count("source_bytes", len(data))
-                return self._remember(shard, "source", memoryview(data))
+                return self._remember(shard, "source", memoryview(self._read_source(shard)))
             try:
                 view = self._map_file(self._tier_path(tier, shard))
             except FileNotFoundError:
                 continue  # evicted between the flag check and the open: look again
             self._count(f"{tier}_opens")
             return self._remember(shard, tier, view)
-        return self._remember(shard, "source", memoryview(self.source_paths[shard].read_bytes()))
+        return self._remember(shard, "source", memoryview(self._read_source(shard)))
+
+    def _read_source(self, shard: int) -> bytes:
+        data = self.source_paths[shard].read_bytes()
+        self._count("source_reads")
+        self._count("source_bytes", len(data))
+        return data
 
     def read_range(self, shard: int, offset: int, length: int) -> bytes:
         """``length`` bytes at ``offset`` of a shard: from a staged copy, else one source read (counted)."""
@@ -742,7 +830,8 @@ class NodeCache:
     def _start_staging(self, schedule: StagingSchedule) -> None:
         if self.ram_capacity == 0 and self.local_capacity == 0:
             return
-        self.shard_bytes = np.array([os.stat(p).st_size for p in self.source_paths], dtype=np.int64)
+        sizes = self._given_shard_bytes or [os.stat(p).st_size for p in self.source_paths]
+        self.shard_bytes = np.array(sizes, dtype=np.int64)
         self._control[_STATE_SLOT] = _STATE_RUNNING
         self._thread = threading.Thread(
             target=self._stage,
@@ -771,7 +860,8 @@ class NodeCache:
         num_epochs: int | None,
     ) -> None:
         stager_row = self.ranks_per_node
-        resident: dict[str, list[int]] = {"local": [], "ram": []}
+        # Per tier, the resident shards in load order (dicts as ordered sets).
+        resident: dict[str, dict[int, None]] = {"local": {}, "ram": {}}
         last_use: dict[int, int] = {}
         state = _STATE_DONE
         try:
@@ -782,8 +872,10 @@ class NodeCache:
                 combined = trace.then(trace_of_epoch(epoch + 1, 0)) if has_next and len(trace) else trace
                 if not self._run_epoch(epoch, trace, combined, resident, last_use, stager_row):
                     break
-                for shard, step in zip(trace.shards.tolist(), trace.steps.tolist()):
-                    last_use[shard] = progress_ticket(epoch, step)
+                if len(trace):
+                    shards, last = np.unique(trace.shards[::-1], return_index=True)
+                    steps = trace.steps[::-1][last]
+                    last_use.update(zip(shards.tolist(), (progress_ticket(epoch, t) for t in steps.tolist())))
                 with self._staged:
                     self._staged_epoch = epoch
                     self._staged.notify_all()
@@ -793,15 +885,14 @@ class NodeCache:
             log.exception("the node's stager failed; training goes on reading from %s", "the source")
         finally:
             self._control[_STATE_SLOT] = state
-            for shard in range(self.num_shards):
-                self._flags[shard] &= ~FLAG_PENDING & 0xFF
+            np.bitwise_and(self._flags, 0xFF & ~FLAG_PENDING, out=self._flags)
             with self._staged:
                 self._staged.notify_all()
 
     def _tier_on(self, tier: str) -> bool:
         return bool(self._control[_RAM_ON_SLOT if tier == "ram" else _LOCAL_ON_SLOT])
 
-    def _set_flags(self, shard: int, resident: dict[str, list[int]], pending: dict[int, int]) -> None:
+    def _set_flags(self, shard: int, resident: dict[str, dict[int, None]], pending: dict[int, int]) -> None:
         flags = (FLAG_RAM if shard in resident["ram"] else 0) | (
             FLAG_LOCAL if shard in resident["local"] else 0
         )
@@ -809,55 +900,68 @@ class NodeCache:
             flags = FLAG_PENDING
         self._flags[shard] = flags
 
+    def _gate(self, epoch: int, action: StagingAction, last_use: dict[int, int]) -> int:
+        """The progress ticket every rank must pass before ``action`` (an eviction) may run."""
+        if action.after_step >= 0:
+            return progress_ticket(epoch, action.after_step)
+        return last_use.get(action.shard, -1)
+
     def _run_epoch(
         self,
         epoch: int,
         trace: Trace,
         combined: Trace,
-        resident: dict[str, list[int]],
+        resident: dict[str, dict[int, None]],
         last_use: dict[int, int],
         stager_row: int,
     ) -> bool:
-        """Plan ``epoch`` for every staging tier and execute the plans; False if the cache is closing."""
+        """Plan ``epoch`` for every staging tier and execute the plans; False if the cache is closing.
+
+        The plan runs in windows: from the current action up to the next eviction whose gate is still
+        closed. Only the loads of the open window are flagged pending, so a reader waits only for loads
+        that need no further progress from any reader (no wait can close a cycle); a shard whose load lies
+        beyond the window is read from the source if a reader needs it first.
+        """
         capacities = {"local": self.local_capacity, "ram": self.ram_capacity}
         tiers = [t for t in ("local", "ram") if capacities[t] > 0 and self._tier_on(t)]
         merged: list[tuple[int, int, int, str, StagingAction]] = []
         for rank, tier in enumerate(tiers):
             plan = plan_staging(
-                combined, capacities[tier], self.shard_bytes, initial=resident[tier], horizon=len(trace)
+                combined, capacities[tier], self.shard_bytes, initial=list(resident[tier]), horizon=len(trace)
             )
             merged.extend((a.position, rank, n, tier, a) for n, a in enumerate(plan.actions))
+            self._warn_if_thrashing(epoch, tier, trace, plan)
         # Per position: local-tier actions first, so a RAM load can copy the shard just written locally.
         merged.sort(key=lambda item: item[:3])
         actions = [(tier, action) for *_, tier, action in merged]
-        pending = self._pending_loads(actions)
-        for shard in pending:
-            self._set_flags(shard, resident, pending)
+        pending: dict[int, int] = {}
+        window_end = 0
         self._control[_EPOCH_SLOT] = epoch
         for index, (tier, action) in enumerate(actions):
             if self._stop.is_set():
                 return False
+            if index >= window_end:
+                if action.kind == "evict" and self._tier_on(tier):
+                    if not self._wait_progress(self._gate(epoch, action, last_use)):
+                        return False
+                window_end = self._open_window(actions, index, epoch, last_use, resident, pending)
             if not self._tier_on(tier):
                 continue
-            if action.kind == "load":
-                pending[action.shard] -= 1
             if action.kind == "evict":
-                if action.after_step >= 0:
-                    gate = progress_ticket(epoch, action.after_step)
-                else:
-                    gate = last_use.get(action.shard, -1)
-                if not self._wait_progress(gate):
-                    return False
                 self._tier_path(tier, action.shard).unlink(missing_ok=True)
-                resident[tier].remove(action.shard)
+                del resident[tier][action.shard]
             elif action.kind == "load":
+                pending[action.shard] -= 1
                 if self._load(tier, action.shard, resident, stager_row):
-                    resident[tier].append(action.shard)
+                    resident[tier][action.shard] = None
                 else:
-                    # The tier is full or unwritable: forget its remaining loads so no reader waits on them.
+                    # The tier is full or unwritable: forget its loads so that no reader waits on them.
                     self._control[_RAM_ON_SLOT if tier == "ram" else _LOCAL_ON_SLOT] = 0
                     stale = set(pending)
-                    pending = self._pending_loads(actions[index + 1 :])
+                    pending.clear()
+                    for later_tier, later in actions[index + 1 : window_end]:
+                        if later.kind == "load" and self._tier_on(later_tier):
+                            pending[later.shard] = pending.get(later.shard, 0) + 1
                     for shard in stale | set(pending):
                         self._set_flags(shard, resident, pending)
                     continue
@@ -865,13 +969,50 @@ class NodeCache:
             self.stager_log.append((epoch, tier, action.event()))
         return True
 
-    def _pending_loads(self, actions: Sequence[tuple[str, StagingAction]]) -> dict[int, int]:
-        """Loads still to come per shard, in tiers that are staging."""
-        pending: dict[int, int] = {}
-        for tier, action in actions:
-            if action.kind == "load" and self._tier_on(tier):
+    def _open_window(
+        self,
+        actions: Sequence[tuple[str, StagingAction]],
+        start: int,
+        epoch: int,
+        last_use: dict[int, int],
+        resident: dict[str, dict[int, None]],
+        pending: dict[int, int],
+    ) -> int:
+        """Flag the loads from ``start`` up to the next closed eviction gate as pending; return that index.
+
+        ``actions[start]`` itself is runnable (its gate, if any, was just waited for).
+        """
+        slowest = int(np.asarray(self._progress).min())
+        end = start
+        while end < len(actions):
+            tier, action = actions[end]
+            if not self._tier_on(tier):
+                end += 1
+                continue
+            if action.kind == "evict" and end > start and self._gate(epoch, action, last_use) >= slowest:
+                break
+            if action.kind == "load":
                 pending[action.shard] = pending.get(action.shard, 0) + 1
-        return pending
+                self._set_flags(action.shard, resident, pending)
+            end += 1
+        return end
+
+    def _warn_if_thrashing(self, epoch: int, tier: str, trace: Trace, plan: StagingPlan) -> None:
+        """One warning when a tier is too small for the order: many reloads, or many source reads."""
+        if not len(trace):
+            return
+        needed = int(self.shard_bytes[np.unique(trace.shards)].sum())
+        loaded = sum(int(self.shard_bytes[a.shard]) for a in plan.actions if a.kind == "load")
+        bypassed = sum(1 for a in plan.actions if a.kind == "bypass") / len(trace)
+        if loaded > 2 * needed or bypassed > 0.1:
+            capacity = self.ram_capacity if tier == "ram" else self.local_capacity
+            self._warn_once(
+                f"thrash-{tier}",
+                f"the {tier} cache ({capacity} bytes) is too small for this order: epoch {epoch} stages "
+                f"{loaded / max(needed, 1):.1f}x the {needed} bytes the node reads and leaves "
+                f"{100 * bypassed:.0f}% of its shard accesses to the source; raise the capacity or use "
+                "data.shuffle=block or partial, whose working set is smaller",
+            )
 
     def _wait_progress(self, gate: int) -> bool:
         """Wait until every rank of the node has passed ticket ``gate``; False if the cache is closing."""
@@ -884,7 +1025,7 @@ class NodeCache:
             delay = min(delay * 2, 0.02)
         return True
 
-    def _load(self, tier: str, shard: int, resident: dict[str, list[int]], stager_row: int) -> bool:
+    def _load(self, tier: str, shard: int, resident: dict[str, dict[int, None]], stager_row: int) -> bool:
         """Copy one whole shard into ``tier``; False (after one warning) if the tier cannot take it.
 
         A failure to read the source is raised (it is not the cache's to hide); a failure to write the
@@ -918,11 +1059,14 @@ class NodeCache:
     def _tier_failed(self, tier: str, error: OSError) -> bool:
         where = self.ram_dir if tier == "ram" else self.local_dir
         what = "full" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "not writable"
-        self._warn_once(tier, f"{tier} cache {where} is {what} ({error.strerror or error})")
+        self._warn_tier_off(tier, f"{tier} cache {where} is {what} ({error.strerror or error})")
         return False
 
     def close(self, remove_files: bool = True) -> None:
-        """Stop the stager, drop mappings; on local rank 0 also delete the staged files (by default)."""
+        """Stop the stager and drop mappings; local rank 0 also deletes the staged files (by default).
+
+        Call it on every rank of the node after a barrier, so that no rank still reads a staged file.
+        """
         self._stop.set()
         if self._thread is not None:
             self._thread.join(30)
@@ -931,7 +1075,7 @@ class NodeCache:
         for fd in self._source_fds.values():
             os.close(fd)
         self._source_fds.clear()
-        if self.local_rank == 0 and remove_files:
+        if remove_files and self._owner_pid == os.getpid():
             shutil.rmtree(self._ram_shards, ignore_errors=True)
             if self._local_shards is not None:
                 shutil.rmtree(self._local_shards, ignore_errors=True)

@@ -14,14 +14,18 @@ per node, contiguous rank numbers per node). Every rank computes the same plan f
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import mmap
+import os
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from kaisoku.data.sampler import EpochSampler
 from kaisoku.data.shuffle import shard_of
 from kaisoku.errors import KaisokuError
 
@@ -103,10 +107,17 @@ def exchange_records(
 ) -> dict[int, bytes]:
     """Run ``plan`` collectively (every rank of ``group`` calls it); return the received records by index.
 
+    ``group`` must have gloo (the records are CPU tensors): with an NCCL default group pass a gloo group.
     ``fetch_record(index)`` gives a record's raw bytes (from the node cache). The exchange goes in rounds
     of at most ``round_records`` records per pair of ranks, two ``all_to_all_single`` calls each (lengths,
     then bytes), so its transient memory stays bounded; the received records stay in RAM.
     """
+    backend = str(dist.get_backend(group))
+    if "gloo" not in backend:
+        raise KaisokuError(
+            f"the sample exchange sends CPU tensors and needs a gloo process group, got {backend}; "
+            "pass group=torch.distributed.new_group(backend='gloo')"
+        )
     world_size = dist.get_world_size(group)
     if len(plan.send) != world_size or plan.rank != dist.get_rank(group):
         raise KaisokuError(
@@ -157,3 +168,112 @@ def exchange_records(
             received[int(index)] = data[offset : offset + length]
             offset += length
     return received
+
+
+def exchange_for_epoch(
+    sampler: EpochSampler,
+    fetch_record: Callable[[int], bytes],
+    *,
+    ranks_per_node: int,
+    group: dist.ProcessGroup | None = None,
+    round_records: int = 4096,
+) -> dict[int, bytes]:
+    """The records this rank receives for the rest of the sampler's current epoch (collective).
+
+    Empty, with no communication, unless the epoch is ``partial`` with Q > 0 over several nodes and was
+    ordered for this world's nodes (a ``partial`` epoch resumed on another node count reads through the
+    cache instead). Call it on every rank after ``set_epoch`` (or ``load_state_dict``), before iterating.
+    """
+    epoch = sampler.epoch
+    spec = sampler.spec_for(epoch)
+    if (
+        spec.name != "partial"
+        or spec.exchange == 0.0
+        or spec.num_nodes == 1
+        or not sampler.layout_matches(epoch)
+    ):
+        return {}
+    plan = plan_exchange(
+        sampler.epoch_order(epoch),
+        global_batch=sampler.global_batch,
+        world_size=sampler.world_size,
+        ranks_per_node=ranks_per_node,
+        home_of_shard=sampler.partial_plan(epoch).home_of_shard,
+        shard_sizes=sampler.shard_sizes,
+        rank=sampler.rank,
+        start_step=sampler.step,
+    )
+    return exchange_records(plan, fetch_record, group=group, round_records=round_records)
+
+
+class RecordStore(Mapping[int, memoryview]):
+    """Received records in one file, by sample index: put it on /dev/shm to keep them in RAM.
+
+    Picklable (DataLoader workers map the same file instead of holding copies); the index arrays travel
+    with it, the bytes stay in the file. Build it with :meth:`write`; delete the file with :meth:`remove`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], indices: np.ndarray, offsets: np.ndarray) -> None:
+        self.path = Path(path)
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self._view: memoryview | None = None
+        self._pid = os.getpid()
+
+    @classmethod
+    def write(cls, records: Mapping[int, bytes], path: str | os.PathLike[str]) -> RecordStore:
+        """Write ``records`` to ``path`` (sorted by index) and return the store over it."""
+        indices = np.array(sorted(records), dtype=np.int64)
+        lengths = np.array([len(records[int(i)]) for i in indices], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp")
+        with open(tmp, "wb") as handle:
+            for index in indices.tolist():
+                handle.write(records[index])
+        os.replace(tmp, target)
+        return cls(target, indices, offsets)
+
+    def _data(self) -> memoryview:
+        if self._view is None or self._pid != os.getpid():
+            self._pid = os.getpid()
+            if self.offsets[-1] == 0:
+                self._view = memoryview(b"")
+            else:
+                with open(self.path, "rb") as handle:
+                    self._view = memoryview(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
+        return self._view
+
+    def _position(self, index: int) -> int:
+        position = int(np.searchsorted(self.indices, index))
+        if position == self.indices.size or self.indices[position] != index:
+            raise KeyError(index)
+        return position
+
+    def __getitem__(self, index: int) -> memoryview:
+        position = self._position(int(index))
+        return self._data()[self.offsets[position] : self.offsets[position + 1]]
+
+    def __contains__(self, index: object) -> bool:
+        if not isinstance(index, int | np.integer):
+            return False
+        position = int(np.searchsorted(self.indices, index))
+        return position < self.indices.size and self.indices[position] == index
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices.tolist())
+
+    def __len__(self) -> int:
+        return int(self.indices.size)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "indices": self.indices, "offsets": self.offsets}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"], state["indices"], state["offsets"])  # type: ignore[misc]
+
+    def remove(self) -> None:
+        """Delete the file (after the epoch; mappings still open stay valid until dropped)."""
+        self._view = None
+        self.path.unlink(missing_ok=True)

@@ -72,7 +72,9 @@ class ParallelLayout:
         """Read ``"dp2xpp2"``, ``"dp4"`` or ``"pp4"`` (a missing degree is 1)."""
         match = _LAYOUT_TEXT.match(text.strip().lower())
         if match is None or (match["dp"] is None and match["pp"] is None):
-            raise ConfigError(f"cannot read parallel layout '{text}'; write it like 'dp2xpp2', 'dp4' or 'pp4'")
+            raise ConfigError(
+                f"cannot read parallel layout '{text}'; write it like 'dp2xpp2', 'dp4' or 'pp4'"
+            )
         return cls(dp=int(match["dp"] or 1), pp=int(match["pp"] or 1))
 
     def __str__(self) -> str:
@@ -165,7 +167,9 @@ def build_mesh(
     if sorted(r for row in ranks for r in row) != list(range(world_size)) or any(
         len(row) != layout.pp for row in ranks
     ):
-        raise KaisokuError(f"rank grid {ranks} does not place each of the {world_size} ranks once as {layout}")
+        raise KaisokuError(
+            f"rank grid {ranks} does not place each of the {world_size} ranks once as {layout}"
+        )
     row_major = [list(range(d * layout.pp, (d + 1) * layout.pp)) for d in range(layout.dp)]
     if ranks == row_major:
         mesh = init_device_mesh(device_type, (layout.dp, layout.pp), mesh_dim_names=MESH_DIM_NAMES)

@@ -116,7 +116,9 @@ def parameter_costs(blocks: Sequence[nn.Module]) -> list[float]:
     return costs
 
 
-def measure_block_costs(blocks: Sequence[nn.Module], example_input: torch.Tensor, repeats: int = 3) -> list[float]:
+def measure_block_costs(
+    blocks: Sequence[nn.Module], example_input: torch.Tensor, repeats: int = 3
+) -> list[float]:
     """Median seconds of forward + backward of each block on ``example_input`` flowing through the blocks.
 
     Buffers (BatchNorm running statistics) are restored and gradients cleared afterwards, so measuring
@@ -159,10 +161,23 @@ def check_microbatches(batch_size: int, microbatches: int) -> int:
     return batch_size // microbatches
 
 
+def replica_batch_slice(global_batch: int, dp_index: int, dp_size: int) -> slice:
+    """The samples of a global batch that replica ``dp_index`` of ``dp_size`` trains on (contiguous)."""
+    if global_batch % dp_size != 0:
+        raise KaisokuError(
+            f"a global batch of {global_batch} samples does not split into dp {dp_size} equal replica batches; "
+            f"make the batch a multiple of {dp_size}"
+        )
+    size = global_batch // dp_size
+    return slice(dp_index * size, (dp_index + 1) * size)
+
+
 def check_schedule(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> None:
     """One-line errors for a schedule the torch schedules would reject later, mid-run."""
     if schedule not in SCHEDULE_NAMES:
-        raise ConfigError(f"unknown parallel.schedule '{schedule}'; choose one of: {', '.join(SCHEDULE_NAMES)}")
+        raise ConfigError(
+            f"unknown parallel.schedule '{schedule}'; choose one of: {', '.join(SCHEDULE_NAMES)}"
+        )
     if microbatches < 1:
         raise ConfigError(f"parallel.microbatches must be at least 1, got {microbatches}")
     if virtual_stages < 1:
@@ -172,7 +187,9 @@ def check_schedule(schedule: str, pp: int, microbatches: int, virtual_stages: in
             f"parallel.virtual_stages {virtual_stages} needs parallel.schedule 'interleaved-1f1b', not '{schedule}'"
         )
     if pp > 1 and schedule == "1f1b" and microbatches < pp:
-        raise ConfigError(f"schedule 1f1b needs at least pp {pp} micro-batches, got parallel.microbatches {microbatches}")
+        raise ConfigError(
+            f"schedule 1f1b needs at least pp {pp} micro-batches, got parallel.microbatches {microbatches}"
+        )
     if pp > 1 and schedule == "interleaved-1f1b":
         rounds = max(1, microbatches // pp)
         if microbatches % rounds != 0:
@@ -231,7 +248,10 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str
             index += 1
     groups = []
     for raw_group in raw["param_groups"]:
-        groups.append({**raw_group, "params": [index_to_name[i] for i in raw_group["params"]]})
+        # "params" become names; an optimizer built from named parameters also lists them in
+        # "param_names", which would be wrong for another layout's groups, so it is left out.
+        hyper = {key: value for key, value in raw_group.items() if key not in ("params", "param_names")}
+        groups.append({**hyper, "params": [index_to_name[i] for i in raw_group["params"]]})
     state = {
         index_to_name[i]: {key: _snapshot(value) for key, value in per_param.items()}
         for i, per_param in raw["state"].items()
@@ -258,7 +278,9 @@ def load_named_optimizer_state(
     for group in optimizer.param_groups:
         group_names = [names[id(p)] for p in group["params"]]
         source = group_of.get(group_names[0], group) if group_names else group
-        hyper = {key: value for key, value in source.items() if key != "params"}
+        hyper = {key: value for key, value in source.items() if key not in ("params", "param_names")}
+        if "param_names" in group:
+            hyper["param_names"] = list(group["param_names"])
         ids = list(range(index, index + len(group_names)))
         index += len(group_names)
         groups.append({**hyper, "params": ids})
@@ -321,7 +343,9 @@ class HybridOptions:
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCE_NAMES:
-            raise ConfigError(f"unknown parallel.balance '{self.balance}'; choose one of: {', '.join(BALANCE_NAMES)}")
+            raise ConfigError(
+                f"unknown parallel.balance '{self.balance}'; choose one of: {', '.join(BALANCE_NAMES)}"
+            )
         check_schedule(self.schedule, 1, self.microbatches, self.virtual_stages)
 
 
@@ -378,6 +402,7 @@ class HybridParallel:
         self._schedules: dict[tuple[Any, ...], tuple[Any, list[Any]]] = {}
 
         if pp == 1:
+            restore_batchnorm_momentum(model)  # whole replica batches: the model's own momentum
             self.stage_indices: list[int] = [0]
             self.stage_modules: list[nn.Module] = [model]
             self.stage_ranges: list[range] = []
@@ -540,7 +565,9 @@ class HybridParallel:
                 grad.mul_(max_norm / (norm + 1e-6))
         return norm
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, max_grad_norm: float | None = None) -> float:
+    def train_step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, max_grad_norm: float | None = None
+    ) -> float:
         """One optimizer step on this replica's batch; returns the step's loss (same on every rank)."""
         loss = self.forward_backward(inputs, targets)
         if max_grad_norm is not None:
@@ -556,7 +583,9 @@ class HybridParallel:
         if self.layout.dp == 1:
             return
         buffers = [
-            t for name, t in self._stage_tensors().items() if t.is_floating_point() and not isinstance(t, nn.Parameter)
+            t
+            for name, t in self._stage_tensors().items()
+            if t.is_floating_point() and not isinstance(t, nn.Parameter)
         ]
         if not buffers:
             return

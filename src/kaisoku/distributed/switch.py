@@ -104,7 +104,9 @@ def parse_switch_schedule(text: str, unit: str = "epoch") -> SwitchSchedule:
         last = number == len(parts) - 1
         if match["start"] is None:
             if len(parts) != 1:
-                raise ConfigError(f"{option} segment '{part}' needs a range ({unit}s START-END) beside others")
+                raise ConfigError(
+                    f"{option} segment '{part}' needs a range ({unit}s START-END) beside others"
+                )
             return SwitchSchedule((SwitchSegment(layout, 0, None),), unit)
         start = int(match["start"])
         end = int(match["end"]) if match["end"] else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import sys
@@ -55,9 +56,13 @@ class CheckpointManager:
         """Write ``state`` atomically (temp file + fsync + rename), then drop all but the newest K."""
         state = {**state, "format": FORMAT_VERSION}
         path = self.path_for(int(state["step"]))
+        # Serialise in memory first: a full disk then fails as a plain write error, not inside torch's
+        # zip writer, and the temp file is removed by atomic_open.
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
         try:
             with atomic_open(path, "wb", before_rename=_pause_before_rename) as handle:
-                torch.save(state, handle)
+                handle.write(buffer.getbuffer())
         except OSError as error:
             raise KaisokuError(
                 f"could not write checkpoint {path}: {error.strerror}; free space or change --run-dir"

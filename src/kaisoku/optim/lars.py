@@ -27,8 +27,8 @@ ParamsT: TypeAlias = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tupl
 ExcludeFn: TypeAlias = Callable[[str, Tensor], bool]
 """``exclude(name, param) -> bool``: True leaves the parameter out of adaptation and weight decay."""
 
-Scale: TypeAlias = float | list[Tensor]
-"""A multiplier: one Python number for every tensor of a list, or one 0-dim tensor per tensor."""
+Coeff: TypeAlias = float | Tensor | list[Tensor]
+"""A multiplier: one number (Python or 0-dim tensor) for every tensor of a list, or one 0-dim tensor each."""
 
 
 def exclude_ndim_le_1(name: str, param: Tensor) -> bool:
@@ -46,14 +46,17 @@ def _check_non_negative(owner: str, name: str, value: float) -> None:
         raise ValueError(f"{owner}: {name} must be >= 0 (got {value})")
 
 
-def _add_scaled(dst: list[Tensor], src: list[Tensor], scale: Scale, value: float = 1.0) -> None:
-    """``dst[i] += value * scale[i] * src[i]`` in one ``_foreach`` call."""
+def _axpy(dst: list[Tensor], src: list[Tensor], coeff: Coeff) -> None:
+    """``dst[i] += coeff[i] * src[i]`` (or ``coeff * src[i]``) in one ``_foreach`` call."""
     if not dst:
         return
-    if isinstance(scale, list):
-        torch._foreach_addcmul_(dst, src, scale, value=value)
+    if isinstance(coeff, list):
+        torch._foreach_addcmul_(dst, src, coeff)
+    elif isinstance(coeff, Tensor):
+        # A tensor learning rate (compiled path): the product is fused there, never materialised.
+        torch._foreach_add_(dst, torch._foreach_mul(src, coeff))
     else:
-        torch._foreach_add_(dst, src, alpha=value * scale)
+        torch._foreach_add_(dst, src, alpha=coeff)
 
 
 def trust_ratios(
@@ -63,7 +66,7 @@ def trust_ratios(
     eta: float,
     weight_decay: float,
     eps: float,
-    lr: float,
+    lr: float | Tensor,
     trust_clip: bool,
 ) -> Tensor:
     """LARS trust ratios ``eta * ||w|| / (||g|| + wd * ||w|| + eps)`` for stacked norms, 1 where a norm is 0.
@@ -199,6 +202,7 @@ class LARS(_LayerwiseOptimizer):
         )
         self._exclude = exclude
         self._compile = compile
+        self._lr_tensors: dict[tuple[int, torch.device], Tensor] = {}
         self._update: Callable[..., None] = (
             torch.compile(lars_update, dynamic=False) if compile else lars_update  # type: ignore[assignment]
         )
@@ -213,6 +217,14 @@ class LARS(_LayerwiseOptimizer):
             _check_non_negative("LARS", "weight_decay (parameter group)", param_group["weight_decay"])
         super().add_param_group(param_group)
 
+    def _lr_tensor(self, group_index: int, device: torch.device, lr: float) -> Tensor:
+        """A 0-dim device tensor holding ``lr``, reused across steps so the compiled update never recompiles."""
+        key = (group_index, device)
+        tensor = self._lr_tensors.get(key)
+        if tensor is None:
+            tensor = self._lr_tensors[key] = torch.tensor(lr, dtype=torch.float32, device=device)
+        return tensor.fill_(lr)
+
     def _init_state(self, state: dict[str, Any], param: Tensor) -> None:
         # A zero buffer makes the first step momentum * 0 + d = d, as torch.optim.SGD's clone(d).
         state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
@@ -224,12 +236,15 @@ class LARS(_LayerwiseOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             for adapted, excluded in self._collect(group, ("momentum_buffer",)):
+                lr: float | Tensor = float(group["lr"])
+                if self._compile:
+                    lr = self._lr_tensor(index, (adapted[0] or excluded[0])[0].device, lr)
                 self._update(
                     *adapted,
                     *excluded,
-                    lr=float(group["lr"]),
+                    lr=lr,
                     momentum=group["momentum"],
                     weight_decay=group["weight_decay"],
                     eta=group["eta"],
@@ -250,7 +265,7 @@ def lars_update(
     grads_excluded: list[Tensor],
     bufs_excluded: list[Tensor],
     *,
-    lr: float,
+    lr: float | Tensor,
     momentum: float,
     weight_decay: float,
     eta: float,
@@ -262,13 +277,16 @@ def lars_update(
 ) -> None:
     """The LARS update of adapted (``params``...) and excluded tensors, in place, by ``_foreach`` calls.
 
-    All tensors share one device and dtype. See :class:`LARS` for the formulas.
+    All tensors share one device and dtype. ``lr`` may be a 0-dim tensor (the compiled path passes one so
+    that a changing learning rate does not recompile). See :class:`LARS` for the formulas.
     """
     # The buffer accumulates inner * d and the weights move by -outer * buf: (1, lr) keeps the learning
     # rate out of the buffer (momentum correction), (lr, 1) folds it in.
     inner, outer = (1.0, lr) if momentum_correction else (lr, 1.0)
-    scale_grad: Scale = inner
-    scale_weight: Scale = inner * weight_decay
+    # buf = momentum * buf + coeff_grad * g + coeff_weight * w, per tensor.
+    coeff_grad: Coeff = inner
+    coeff_weight: Coeff = inner * weight_decay
+    trust: Tensor | None = None
     if adaptation and params:
         norms = torch._foreach_norm(params + grads)
         trust = trust_ratios(
@@ -280,39 +298,42 @@ def lars_update(
             lr=lr,
             trust_clip=trust_clip,
         )
-        if inner != 1.0:
+        if isinstance(inner, Tensor) or inner != 1.0:
             trust = trust.mul_(inner)
-        scale_grad = list(trust.unbind(0))
+        coeff_grad = list(trust.unbind(0))
         if weight_decay != 0:
-            scale_weight = list(trust.mul(weight_decay).unbind(0))
+            coeff_weight = list(trust.mul(weight_decay).unbind(0))
 
     all_bufs = bufs + bufs_excluded
     if momentum != 0:
         torch._foreach_mul_(all_bufs, momentum)
     else:
         torch._foreach_zero_(all_bufs)
-    if isinstance(scale_grad, float):
-        # One call for both lists when they share the Python scale.
-        _add_scaled(all_bufs, grads + grads_excluded, inner)
+    if trust is None:
+        _axpy(all_bufs, grads + grads_excluded, inner)  # one call when both lists share the scale
     else:
-        _add_scaled(bufs, grads, scale_grad)
-        _add_scaled(bufs_excluded, grads_excluded, inner)
+        _axpy(bufs, grads, coeff_grad)
+        _axpy(bufs_excluded, grads_excluded, inner)
     if weight_decay != 0:
-        _add_scaled(bufs, params, scale_weight)
+        _axpy(bufs, params, coeff_weight)
 
     all_params = params + params_excluded
     if not nesterov:
-        torch._foreach_add_(all_params, all_bufs, alpha=-outer)
+        _axpy(all_params, all_bufs, -outer)
         return
-    # Nesterov: w -= outer * (inner * d + momentum * buf). The weight-decay term reads w, so it goes first.
-    if weight_decay != 0:
-        _add_scaled(params, params, scale_weight, -outer)
-    if isinstance(scale_grad, float):
-        _add_scaled(all_params, grads + grads_excluded, inner, -outer)
+    # Nesterov: w -= outer * (coeff_grad * g + coeff_weight * w + momentum * buf); the weight term reads
+    # w, so it goes first.
+    if trust is None:
+        if weight_decay != 0:
+            _axpy(params, params, -outer * coeff_weight)  # type: ignore[operator]
+        _axpy(all_params, grads + grads_excluded, -outer * inner)
     else:
-        _add_scaled(params, grads, scale_grad, -outer)
-        _add_scaled(params_excluded, grads_excluded, inner, -outer)
-    torch._foreach_add_(all_params, all_bufs, alpha=-outer * momentum)
+        scaled = trust.mul(-outer)
+        if weight_decay != 0:
+            _axpy(params, params, list(scaled.mul(weight_decay).unbind(0)))
+        _axpy(params, grads, list(scaled.unbind(0)))
+        _axpy(params_excluded, grads_excluded, -outer * inner)
+    _axpy(all_params, all_bufs, -outer * momentum)
 
 
 class LAMB(_LayerwiseOptimizer):
@@ -395,7 +416,7 @@ class LAMB(_LayerwiseOptimizer):
 
                 count = len(adapted[0])
                 params_a, updates_a = params[:count], updates[:count]
-                scale: Scale = 1.0
+                scale: Coeff = -group["lr"]
                 if count:
                     if group["weight_decay"] != 0:
                         torch._foreach_add_(updates_a, params_a, alpha=group["weight_decay"])
@@ -405,7 +426,7 @@ class LAMB(_LayerwiseOptimizer):
                     if group["max_trust"] > 0:
                         ratio = ratio.clamp_(max=group["max_trust"])
                     usable = (weight_norms > 0) & (update_norms > 0)
-                    scale = list(torch.where(usable, ratio, 1.0).unbind(0))
-                _add_scaled(params_a, updates_a, scale, -group["lr"])
-                _add_scaled(params[count:], updates[count:], 1.0, -group["lr"])
+                    scale = list(torch.where(usable, ratio, 1.0).mul_(-group["lr"]).unbind(0))
+                _axpy(params_a, updates_a, scale)
+                _axpy(params[count:], updates[count:], -group["lr"])
         return loss

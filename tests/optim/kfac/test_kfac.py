@@ -112,8 +112,9 @@ def test_load_state_dict_rejects_another_model() -> None:
         other.load_state_dict(kfac.state_dict())
 
 
-def test_nan_factor_raises_damping_with_warning_and_weights_stay_finite() -> None:
-    model, optimizer, kfac = _make()
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_nan_factor_raises_damping_with_warning_and_weights_stay_finite(method: str) -> None:
+    model, optimizer, kfac = _make(method)
     _train(model, optimizer, kfac, range(2))
     layer = kfac.layers["5"]
     layer.factors[0][0, 0] = float("nan")
@@ -122,6 +123,27 @@ def test_nan_factor_raises_damping_with_warning_and_weights_stay_finite() -> Non
     assert layer.damping_floor > 1e-3
     assert all(bool(torch.isfinite(f).all()) for f in layer.factors)
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_nan_factor_between_factor_updates_is_decomposed_as_identity(method: str) -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    kfac = KFAC(layer, kl_clip=None, method=method, factor_update_steps=10, inv_update_steps=1)
+    for step in range(2):
+        if step == 1:
+            kfac.layers[""].factors[1][0, 1] = float("nan")
+        optimizer.zero_grad()
+        layer(torch.randn(4, 3)).pow(2).mean().backward()
+        if step == 1:
+            with pytest.warns(KFACWarning, match="not finite"):
+                kfac.step()
+        else:
+            kfac.step()
+        optimizer.step()
+    assert kfac.layers[""].damping_floor > 1e-3
+    assert all(bool(torch.isfinite(p).all()) for p in layer.parameters())
 
 
 def test_non_finite_statistics_are_skipped_with_warning() -> None:

@@ -97,7 +97,7 @@ def broadcast_from_owners(per_rank: Sequence[Sequence[torch.Tensor]], comm: Comm
         if owner == comm.rank:
             flat = torch.cat([t.reshape(-1).float() for t in tensors])
         else:
-            flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32)
+            flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32, device=tensors[0].device)
         work = dist.broadcast(flat, src=comm.global_rank(owner), group=comm.group, async_op=True)
         pending.append((owner, flat, work, tensors))
     start = time.perf_counter()

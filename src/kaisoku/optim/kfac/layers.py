@@ -153,6 +153,11 @@ class KFACLayer:
         self.damping_floor = 0.0
         self._handles: list[RemovableHandle] = []
 
+    @property
+    def device(self) -> torch.device:
+        """Where the layer's weight (and so its factors) lives."""
+        return self.module.weight.device
+
     # -- shapes --------------------------------------------------------------------------------------
     def factor_shapes(self) -> list[tuple[int, ...]]:
         """Shapes of the factors (and of their statistic sums)."""

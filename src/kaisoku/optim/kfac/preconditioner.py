@@ -79,7 +79,8 @@ class KFAC:
 
     Damping: ``method="eigen"`` applies ``(G (x) A + damping I)^-1`` exactly (through the
     eigendecompositions of A and G); ``method="inverse"`` applies
-    ``(G + sqrt(damping) I)^-1 dW (A + sqrt(damping) I)^-1`` (factored Tikhonov damping). BatchNorm
+    ``(G + sqrt(damping) I)^-1 dW (A + sqrt(damping) I)^-1`` (factored Tikhonov damping, with the
+    damping of the last decomposition step). BatchNorm
     layers use ``(F + damping I)^-1`` on their diagonal or per-channel 2x2 Fisher.
 
     Args:
@@ -278,10 +279,10 @@ class KFAC:
         items: list[list[torch.Tensor]] = []
         for layer in layers:
             tensors = [
-                torch.zeros(shape) if stat is None else stat
+                torch.zeros(shape, device=layer.device) if stat is None else stat
                 for stat, shape in zip(layer.stat_sums, layer.factor_shapes())
             ]
-            tensors.append(torch.tensor(layer.stat_counts, dtype=torch.float32))
+            tensors.append(torch.tensor(layer.stat_counts, dtype=torch.float32, device=layer.device))
             items.append(tensors)
         reducer = BucketedAllReduce(items, self.comm, self._bucket_elements)
         self.clock.add("communication", time.perf_counter() - start)
@@ -347,12 +348,19 @@ class KFAC:
 
     def _decompose(self, layer: KFACLayer, factor: torch.Tensor, damping: float) -> list[torch.Tensor]:
         dim = factor.shape[0]
+        if not bool(torch.isfinite(factor).all()):
+            # No damping fixes a NaN; the next factor update replaces the factor on every rank.
+            effective = self._raise_floor(layer, damping, "a factor was not finite")
+            eye = torch.eye(dim, device=factor.device)
+            if self.method == "eigen":
+                return [eye, torch.ones(dim, device=factor.device)]
+            return [eye / (1.0 + math.sqrt(effective))]
         if self.method == "eigen":
             try:
                 vectors, values = symmetric_eigen(factor)
             except SingularFactorError as error:
                 self._raise_floor(layer, damping, f"eigendecomposition failed ({error})")
-                return [torch.eye(dim), torch.ones(dim)]
+                return [torch.eye(dim, device=factor.device), torch.ones(dim, device=factor.device)]
             return [vectors, values]
         effective = max(damping, layer.damping_floor)
         for _ in range(_MAX_DAMPING_RAISES):
@@ -360,7 +368,7 @@ class KFAC:
                 return [damped_inverse(factor, math.sqrt(effective))]
             except SingularFactorError as error:
                 effective = self._raise_floor(layer, damping, f"singular factor ({error})")
-        return [torch.eye(dim) / (1.0 + math.sqrt(effective))]
+        return [torch.eye(dim, device=factor.device) / (1.0 + math.sqrt(effective))]
 
     def _share_decompositions(self) -> None:
         """Owners broadcast what they computed; afterwards every rank holds every decomposition."""
@@ -380,9 +388,9 @@ class KFAC:
                 else:
                     dim = factor.shape[0]
                     shapes = [(dim, dim), (dim,)] if self.method == "eigen" else [(dim, dim)]
-                    tensors = [torch.empty(shape) for shape in shapes]
+                    tensors = [torch.empty(shape, device=factor.device) for shape in shapes]
                     held[index] = tensors
-                floor = torch.tensor([layer.damping_floor])
+                floor = torch.tensor([layer.damping_floor], device=factor.device)
                 floors.append((layer, floor))
                 per_rank[owner].extend([*tensors, floor])
         broadcast_from_owners(per_rank, self.comm)
@@ -454,7 +462,9 @@ class KFAC:
         scale = 1.0
         if self.kl_clip is not None and results:
             lr = self._current_lr()
-            vg = sum(float((results[name] * grads[name]).sum()) for name in results) * lr * lr
+            # One host synchronisation for all layers.
+            products = torch.stack([(results[name] * grads[name]).sum() for name in results])
+            vg = float(products.sum()) * lr * lr
             if vg > 0 and math.isfinite(vg):
                 scale = min(1.0, math.sqrt(self.kl_clip / vg))
         for name, result in results.items():
@@ -502,7 +512,10 @@ class KFAC:
         refresh = False
         for name, layer in self.layers.items():
             entry = saved[name]
-            layer.factors = [None if f is None else f.detach().clone().float() for f in entry["factors"]]
+            layer.factors = [
+                None if f is None else f.detach().to(layer.device, torch.float32, copy=True)
+                for f in entry["factors"]
+            ]
             layer.damping_floor = float(entry["damping_floor"])
             if name not in self._decompositions:
                 continue
@@ -510,7 +523,9 @@ class KFAC:
             held: list[list[torch.Tensor] | None] = [None, None]
             for index in range(2):
                 if stored is not None and stored[index] is not None:
-                    held[index] = [t.detach().clone().float() for t in stored[index]]
+                    held[index] = [
+                        t.detach().to(layer.device, torch.float32, copy=True) for t in stored[index]
+                    ]
                 needed = self.memory_mode == "full" or self.owner(name, index) == self.comm.rank
                 if layer.factors[index] is not None and needed and held[index] is None:
                     refresh = True
