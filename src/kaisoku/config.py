@@ -45,7 +45,7 @@ class DataConfig:
     """Where samples come from and how they are batched and augmented."""
 
     path: str = ""
-    """Dataset: a folder of class sub-folders of images. Empty: kaisoku's generated demo set."""
+    """Dataset: a packed dataset (kaisoku pack), or a folder of class sub-folders of images. Empty: kaisoku's generated demo set."""
     cache_dir: str = "~/.cache/kaisoku"
     """Where the generated demo set is written on first use."""
     image_size: int = 32
@@ -58,6 +58,24 @@ class DataConfig:
     """DataLoader worker processes per rank (0 decodes in the training process)."""
     val_fraction: float = 0.1
     """Fraction of a class-folder dataset held out for validation when it has no val/ split."""
+    shuffle: Literal["global", "block", "partial"] = "global"
+    """Packed data: sample order each epoch, keyed by (train.seed, epoch): global (any sample anywhere), block (permuted shards, data.block_shards shuffled together: sequential reads), partial (each node trains on its own shards and exchanges data.exchange of them with the other nodes every epoch)."""
+    block_shards: int = 8
+    """block: shards whose samples are shuffled together."""
+    buffer_size: int = 0
+    """block: samples in a sliding window that mixes across block edges (0: none)."""
+    exchange: float = 0.0
+    """partial: fraction Q in [0, 1] of each node's samples exchanged per epoch (0: local only; 1: like global)."""
+    local_cache: str = ""
+    """Packed data: node-local directory (SSD) that stages shards from data.path; empty: no disk tier."""
+    local_capacity: str = "0"
+    """Bytes the node-local tier may use, e.g. 200GiB; 0: off."""
+    ram_capacity: str = "0"
+    """Bytes of RAM (/dev/shm, shared by a node's ranks) for staged shards, e.g. 16GiB; 0: off."""
+    ram_dir: str = "/dev/shm/kaisoku"
+    """Where the RAM tier, exchanged samples and the cache's control files live."""
+    skip_corrupt: bool = False
+    """Packed data: skip (and count) damaged records instead of stopping with an error naming them."""
 
 
 @dataclass(kw_only=True)
@@ -414,7 +432,32 @@ def validate(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    _validate_data(cfg.data)
     if cfg.data.path and not Path(cfg.data.path).expanduser().exists():
         raise ConfigError(f"data.path {cfg.data.path} does not exist; point it at a dataset folder")
     if cfg.data.path and not Path(cfg.data.path).expanduser().is_dir():
         raise ConfigError(f"data.path {cfg.data.path} is not a folder of class sub-folders")
+
+
+def _validate_data(data: DataConfig) -> None:
+    from kaisoku.data.format import parse_bytes
+
+    if data.block_shards < 1:
+        raise ConfigError("data.block_shards must be >= 1")
+    if data.buffer_size < 0:
+        raise ConfigError("data.buffer_size must be >= 0")
+    if not 0.0 <= data.exchange <= 1.0:
+        raise ConfigError(f"data.exchange must be in [0, 1] (got {data.exchange})")
+    if data.exchange > 0 and data.shuffle != "partial":
+        raise ConfigError("data.exchange needs --data.shuffle partial")
+    for key in ("local_capacity", "ram_capacity"):
+        try:
+            parse_bytes(getattr(data, key))
+        except Exception:
+            raise ConfigError(
+                f"data.{key}: {getattr(data, key)!r} is not a size such as 2GiB or 500MB"
+            ) from None
+    if parse_bytes(data.local_capacity) > 0 and not data.local_cache:
+        raise ConfigError(
+            "data.local_capacity needs data.local_cache, the node-local directory to stage into"
+        )

@@ -90,11 +90,48 @@ def test_grad_accumulation_and_bf16_run(tmp_path: Path, tiny_data: Path) -> None
         tmp_path / "run-c",
         4,
         "",
-        {"train__grad_accum": 2, "train__precision": "bf16", "dist__compress": "bf16"},
+        {"train__grad_accum": 2, "train__precision": "bf16", "dist__compress": "bf16", "data__global_batch": 32},
     )
     summary = results[0]["summary"]
-    assert summary["steps"] == 4
+    assert summary["steps"] == 4  # 80 samples / 32 = 2 steps per epoch, 2 epochs
     assert 0.0 <= summary["val_accuracy"] <= 1.0
     assert torch.isfinite(torch.tensor(summary["final_loss"]))
     for key, value in _parameters(results[0]["model"]).items():
         assert torch.equal(value, results[1]["model"][key]), key
+
+
+@pytest.fixture(scope="module")
+def tiny_packed(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kaisoku.data.writer import pack
+
+    dst = tmp_path_factory.mktemp("packed") / "shapes"
+    pack(tiny_data, dst, shard_bytes=4096, progress=False)
+    return dst
+
+
+def _train_packed(rank: int, world_size: int, tmp: Path, data: Path, run_dir: Path, overrides: dict) -> dict:
+    cfg = _config(data, run_dir, **overrides)
+    cfg.data.ram_dir = str(tmp / "shm")
+    # Two "nodes" of one rank each, with their own cache folders.
+    world = World(rank=rank, world_size=world_size, local_world_size=1, node=rank, num_nodes=world_size)
+    trainer = build_trainer(cfg, world)
+    summary = trainer.fit()
+    trainer.metrics.close()
+    stats = trainer.train_loader.stats()
+    trainer.train_loader.close()
+    return {"summary": summary, "stats": stats}
+
+
+@pytest.mark.timeout(240)
+def test_packed_partial_shuffle_with_exchange_and_ram_cache(tmp_path: Path, tiny_packed: Path) -> None:
+    overrides = {
+        "data__shuffle": "partial",
+        "data__exchange": 0.5,
+        "data__ram_capacity": "64MiB",
+        "data__workers": 1,
+    }
+    results = run_ranks(_train_packed, 2, tmp_path, tiny_packed, tmp_path / "run", overrides)
+    assert results[0]["summary"]["steps"] == 10
+    assert 0.0 <= results[0]["summary"]["val_accuracy"] <= 1.0
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert any('"shuffle_quality"' in line for line in lines)

@@ -179,6 +179,16 @@ class EpochBatchSampler:
             "global_batch": self.global_batch,
         }
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at the saved epoch and step; KaisokuError when the state is for another order."""
+        for key in ("seed", "num_samples", "global_batch"):
+            if state.get(key) != getattr(self, key):
+                raise KaisokuError(
+                    f"the saved data order has {key}={state.get(key)}, this run {getattr(self, key)}; "
+                    "resume with the same data settings or start a new --run-dir"
+                )
+        self.set_epoch(int(state["epoch"]), int(state["step"]))
+
 
 class ShardedEvalSampler:
     """This rank's validation batches: every sample exactly once over all ranks, fixed order."""

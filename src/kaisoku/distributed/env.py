@@ -191,3 +191,19 @@ def shutdown() -> None:
             barrier()
         finally:
             dist.destroy_process_group()
+
+
+def cpu_collective_group() -> dist.ProcessGroup | None:
+    """A gloo group for CPU-side collectives (sample exchange): the default group when it is gloo."""
+    if not dist.is_initialized():
+        return None
+    if dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def shared_token() -> str:
+    """A token every rank agrees on (rank 0's), naming this run's shared files."""
+    import uuid
+
+    return str(broadcast_object(uuid.uuid4().hex[:12]))

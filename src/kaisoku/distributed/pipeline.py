@@ -500,9 +500,9 @@ class HybridParallel:
         if int(inputs.shape[0]) != batch:
             raise KaisokuError(f"inputs hold {inputs.shape[0]} samples but targets {batch}")
         if self.layout.pp == 1:
-            loss = self.loss_fn(self.model(inputs), targets)
+            loss = self.loss_fn(self.model(inputs.to(self.device)), targets.to(self.device))
             loss.backward()
-            local = loss.detach().reshape(1).to(torch.float64)
+            local = loss.detach().reshape(1).to(torch.float64).cpu()
         else:
             local = self.pipeline_step(inputs, targets)
         self._average_gradients()
@@ -539,7 +539,7 @@ class HybridParallel:
     def _average_gradients(self) -> None:
         if self.layout.dp == 1:
             return
-        params = [p for _, p in self.named_parameters]
+        params = [p for _, p in self.named_parameters if p.requires_grad]
         for p in params:
             if p.grad is None:
                 # Keep the flat buffer the same on every replica even if a parameter went unused.

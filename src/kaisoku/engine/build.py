@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +15,17 @@ from torch.utils.data import DataLoader
 
 from kaisoku.config import Config, to_dict
 from kaisoku.data.datagen import ensure_demo_dataset
+from kaisoku.data.dataset import ImageLabelTransform, ShardedDataset
 from kaisoku.data.folder import EpochBatchSampler, ImageFolderDataset, ShardedEvalSampler, split_train_val
-from kaisoku.data.transforms import AugmentSpec, collate
+from kaisoku.data.loader import CacheSettings, ShardLoader, label_count, packed_splits
+from kaisoku.data.shuffle import ShuffleSpec
+from kaisoku.data.transforms import IMAGENET_MEAN, IMAGENET_STD, AugmentSpec, collate
 from kaisoku.distributed import env
 from kaisoku.distributed.data_parallel import BucketPlan, wrap_ddp
 from kaisoku.engine.checkpoint import CheckpointManager
 from kaisoku.engine.metrics import MetricsLogger, print_summary
 from kaisoku.engine.trainer import Trainer, TrainSettings, steps_for
+from kaisoku.errors import ConfigError
 from kaisoku.models.zoo import build_model
 from kaisoku.optim.factory import build_optimizer, build_scheduler
 
@@ -45,27 +51,148 @@ def _loader(
     )
 
 
+@dataclass
+class DataParts:
+    """The loaders a run trains and validates on, and what the model needs to know about the data."""
+
+    train_loader: Any
+    train_sampler: Any
+    val_loader: DataLoader | None
+    num_classes: int
+    in_channels: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+def build_data(cfg: Config, world: env.World, device: torch.device) -> DataParts:
+    """Loaders for a packed dataset (shuffles, cache, exchange) or an image-folder tree (plain sampler)."""
+    root = dataset_root(cfg)
+    train_spec = AugmentSpec(size=cfg.data.image_size, train=True, scale=(cfg.data.crop_scale_min, 1.0))
+    val_spec = AugmentSpec(size=cfg.data.image_size, train=False)
+    workers = cfg.data.workers
+    val_batch = max(1, cfg.data.global_batch // world.world_size)
+    val_sampler_args = {"rank": world.rank, "world_size": world.world_size, "batch_size": val_batch}
+    packed = packed_splits(root)
+    if packed is None:
+        if cfg.data.shuffle != "global" or cfg.data.local_cache or cfg.data.ram_capacity not in ("", "0"):
+            raise ConfigError(
+                f"data.shuffle, data.local_cache and data.ram_capacity need a packed dataset; "
+                f"run kaisoku pack {root} DST and train on DST"
+            )
+        train_files, val_files = split_train_val(root, cfg.data.val_fraction, cfg.train.seed)
+        sampler = EpochBatchSampler(
+            len(train_files),
+            global_batch=cfg.data.global_batch,
+            rank=world.rank,
+            world_size=world.world_size,
+            seed=cfg.train.seed,
+            micro_batches=cfg.train.grad_accum,
+        )
+        train = ImageFolderDataset(train_files, train_spec, seed=cfg.train.seed)
+        val = ImageFolderDataset(val_files, val_spec, seed=cfg.train.seed)
+        return DataParts(
+            train_loader=_loader(train, sampler, workers, device),
+            train_sampler=sampler,
+            val_loader=_loader(val, ShardedEvalSampler(len(val_files), **val_sampler_args), workers, device),
+            num_classes=len(train_files.classes),
+            in_channels=3,
+            mean=IMAGENET_MEAN,
+            std=IMAGENET_STD,
+        )
+    train_dir, val_dir = packed
+    train_set = ShardedDataset(
+        train_dir,
+        transform=ImageLabelTransform(spec=train_spec, seed=cfg.train.seed),
+        skip_corrupt=cfg.data.skip_corrupt,
+    )
+    in_channels = image_channels(train_set)
+    shuffle = ShuffleSpec(
+        name=cfg.data.shuffle,
+        block_shards=cfg.data.block_shards,
+        buffer_size=cfg.data.buffer_size,
+        exchange=cfg.data.exchange,
+        num_nodes=world.num_nodes,
+    )
+    loader = ShardLoader(
+        train_set,
+        global_batch=cfg.data.global_batch,
+        rank=world.rank,
+        world_size=world.world_size,
+        ranks_per_node=world.local_world_size,
+        seed=cfg.train.seed,
+        shuffle=shuffle,
+        micro_batches=cfg.train.grad_accum,
+        workers=workers,
+        cache=CacheSettings(
+            local_dir=cfg.data.local_cache,
+            local_capacity=cfg.data.local_capacity,
+            ram_dir=cfg.data.ram_dir,
+            ram_capacity=cfg.data.ram_capacity,
+        ),
+        num_epochs=math.ceil(cfg.train.epochs),
+        pin_memory=device.type == "cuda",
+    )
+    val_loader = None
+    if val_dir is not None:
+        val_set = ShardedDataset(
+            val_dir,
+            transform=ImageLabelTransform(spec=val_spec, seed=cfg.train.seed),
+            skip_corrupt=cfg.data.skip_corrupt,
+        )
+        val_loader = _loader(val_set, ShardedEvalSampler(len(val_set), **val_sampler_args), workers, device)
+    mean, std = (IMAGENET_MEAN, IMAGENET_STD) if in_channels == 3 else ((0.5,), (0.25,))
+    return DataParts(
+        train_loader=loader,
+        train_sampler=loader,
+        val_loader=val_loader,
+        num_classes=label_count(train_set),
+        in_channels=in_channels,
+        mean=mean,
+        std=std,
+    )
+
+
+def image_channels(dataset: ShardedDataset) -> int:
+    """Channels of the dataset's images: encoded images decode to RGB; stored arrays keep theirs."""
+    for field in dataset.index.fields:
+        if field.name == "image" and field.kind == "array" and field.shape is not None:
+            return 1 if len(field.shape) == 2 else int(field.shape[-1])
+    return 3
+
+
 def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer:
-    """Every part of the run, built and wired; the process group is joined on the way."""
+    """Every part of the run, built and wired; the process group is joined on the way.
+
+    Joining the group starts first, in the background (``dist.eager_init``), and overlaps reading the
+    dataset's index and building the model and optimizer.
+    """
     device = env.pick_device(cfg.train.device, world)
     pg_init = env.ProcessGroupInit(world, device, cfg.dist.timeout, background=cfg.dist.eager_init)
     build_start = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
-    train_files, val_files = split_train_val(dataset_root(cfg), cfg.data.val_fraction, cfg.train.seed)
-    num_classes = cfg.model.num_classes or len(train_files.classes)
+    data = build_data(cfg, world, device)
     model = build_model(
         cfg.model.name,
-        num_classes=num_classes,
+        num_classes=cfg.model.num_classes or data.num_classes,
         stem=cfg.model.stem,
         zero_init_residual=cfg.model.zero_init_residual,
         bn_momentum=cfg.model.bn_momentum,
+        in_channels=data.in_channels,
     ).to(device)
     channels_last = device.type == "cuda"
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer(model, cfg.optim)
     build_seconds = time.perf_counter() - build_start
+    wait_start = time.perf_counter()
     pg_init.wait()
+    pg_wait_seconds = time.perf_counter() - wait_start
+    if isinstance(data.train_loader, ShardLoader):
+        # Collective set-up of the shard loader: a run token all ranks share, the exchange's group.
+        data.train_loader.connect(
+            run_token=env.shared_token(),
+            exchange_group=env.cpu_collective_group() if data.train_loader.needs_exchange else None,
+        )
     if world.distributed:
         plan = BucketPlan(
             mode=cfg.dist.buckets,
@@ -75,37 +202,12 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
         )
         model = wrap_ddp(model, device, plan=plan, compress_bf16=cfg.dist.compress == "bf16")
 
-    sampler = EpochBatchSampler(
-        len(train_files),
-        global_batch=cfg.data.global_batch,
-        rank=world.rank,
-        world_size=world.world_size,
-        seed=cfg.train.seed,
-        micro_batches=cfg.train.grad_accum,
-    )
-    train_spec = AugmentSpec(size=cfg.data.image_size, train=True, scale=(cfg.data.crop_scale_min, 1.0))
-    val_spec = AugmentSpec(size=cfg.data.image_size, train=False)
-    workers = cfg.data.workers
-    train_loader = _loader(
-        ImageFolderDataset(train_files, train_spec, seed=cfg.train.seed), sampler, workers, device
-    )
-    val_sampler = ShardedEvalSampler(
-        len(val_files),
-        batch_size=cfg.data.global_batch // world.world_size,
-        rank=world.rank,
-        world_size=world.world_size,
-    )
-    val_loader = _loader(
-        ImageFolderDataset(val_files, val_spec, seed=cfg.train.seed), val_sampler, workers, device
-    )
-
-    horizon = steps_for(cfg.train.epochs, sampler.steps_per_epoch, 0)
-    total_steps = steps_for(cfg.train.epochs, sampler.steps_per_epoch, cfg.train.max_steps)
+    steps_per_epoch = data.train_sampler.steps_per_epoch
+    horizon = steps_for(cfg.train.epochs, steps_per_epoch, 0)
+    total_steps = steps_for(cfg.train.epochs, steps_per_epoch, cfg.train.max_steps)
     # The schedule spans the configured epochs; max_steps only stops early, so that a run stopped at
     # max_steps and resumed follows the same learning-rate curve as one that never stopped.
-    scheduler = build_scheduler(
-        optimizer, cfg.sched, steps_per_epoch=sampler.steps_per_epoch, total_steps=horizon
-    )
+    scheduler = build_scheduler(optimizer, cfg.sched, steps_per_epoch=steps_per_epoch, total_steps=horizon)
     run_dir = Path(cfg.run_dir).expanduser()
     metrics = MetricsLogger(
         run_dir,
@@ -118,9 +220,9 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
-        train_loader=train_loader,
-        train_sampler=sampler,
-        val_loader=val_loader,
+        train_loader=data.train_loader,
+        train_sampler=data.train_sampler,
+        val_loader=data.val_loader,
         settings=TrainSettings(
             total_steps=total_steps,
             grad_accum=cfg.train.grad_accum,
@@ -131,6 +233,8 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
             checkpoint_every=cfg.checkpoint.every_steps,
             global_batch=cfg.data.global_batch,
             channels_last=channels_last,
+            mean=data.mean,
+            std=data.std,
         ),
         world=world,
         device=device,
@@ -145,6 +249,7 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
             "device": str(device),
             "build_seconds": build_seconds,
             "process_group_seconds": pg_init.seconds,
+            "process_group_wait_seconds": pg_wait_seconds,
             "eager_init": cfg.dist.eager_init,
         }
     )
@@ -189,6 +294,10 @@ def run_training(cfg: Config) -> dict[str, Any]:
         summary = trainer.fit()
     finally:
         trainer.metrics.close()
+    env.barrier()  # no rank may still read staged shards when the node cache deletes them
+    close = getattr(trainer.train_loader, "close", None)
+    if close is not None:
+        close()
     if world.is_main:
         print_summary(summary)
     env.shutdown()

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from kaisoku.data.transforms import normalize
+from kaisoku.data.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize
 from kaisoku.distributed import env
 from kaisoku.engine.checkpoint import CheckpointManager
 from kaisoku.engine.metrics import MetricsLogger, peak_memory_mib
@@ -29,6 +29,9 @@ class EpochSampler(Protocol):
 
     def state_dict(self) -> dict[str, Any]:
         """Where the sampler is, for a checkpoint."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the data order; raise KaisokuError when the state is for other data."""
 
 
 class Preconditioner(Protocol):
@@ -66,6 +69,10 @@ class TrainSettings:
     """Samples per optimizer step over all ranks (for samples/s)."""
     channels_last: bool = False
     """Feed the model channels-last tensors (faster convolutions on CUDA)."""
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    """Per-channel mean (0..1 scale) that input batches are normalised with."""
+    std: tuple[float, ...] = IMAGENET_STD
+    """Per-channel standard deviation (0..1 scale) for normalisation."""
 
 
 @dataclass
@@ -120,6 +127,8 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda", enabled=settings.precision == "fp16")
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(settings.precision)
         self.last_val: dict[str, float] = {}
+        self.last_loss = float("nan")
+        self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     # ------------------------------------------------------------------------------------------------
     # State
@@ -158,14 +167,10 @@ class Trainer:
         except (RuntimeError, ValueError, KeyError) as error:
             first = str(error).strip().splitlines()[0]
             raise KaisokuError(f"{source} does not match this model or optimizer: {first}") from None
-        saved = state["data"]["sampler"]
-        current = self.train_sampler.state_dict()
-        for key in ("seed", "num_samples", "global_batch"):
-            if key in saved and key in current and saved[key] != current[key]:
-                raise KaisokuError(
-                    f"{source} was taken with data {key}={saved[key]}, this run has {current[key]}; "
-                    "resume with the same data settings or start a new --run-dir"
-                )
+        try:
+            self.train_sampler.load_state_dict(state["data"]["sampler"])
+        except KaisokuError as error:
+            raise KaisokuError(f"{source}: {error}") from None
         self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -196,7 +201,7 @@ class Trainer:
     def _prepare(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         images = images.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
-        images = normalize(images)
+        images = normalize(images, self.settings.mean, self.settings.std)
         if self.settings.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         return images, labels
@@ -256,88 +261,99 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------
     # Loop
 
-    def _epoch_batches(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
-        self.train_sampler.set_epoch(self.state.epoch, self.state.step_in_epoch)
+    def _next_micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The next step's micro-batches of the current epoch; None at the epoch's end."""
+        if self._batches is None:
+            self.train_sampler.set_epoch(self.state.epoch, self.state.step_in_epoch)
+            quality = getattr(self.train_sampler, "last_quality", None)
+            if quality is not None:
+                self.metrics.log(
+                    {"step": self.state.step, "epoch": self.state.epoch, "shuffle_quality": quality}
+                )
+            self._batches = iter(self.train_loader)
         micro: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for batch in self.train_loader:
+        for batch in self._batches:
             micro.append(batch)
             if len(micro) == self.settings.grad_accum:
-                yield micro
-                micro = []
+                return micro
+        self._batches = None
+        return None
 
-    def fit(self) -> dict[str, Any]:
-        """Train until ``total_steps``; return the run summary (throughput, loss, accuracy)."""
+    def run(self, until_step: int) -> float:
+        """Train up to optimizer step ``until_step`` (logging, validating and checkpointing on the way).
+
+        Returns the mean loss of the last log window. Can be called repeatedly; the data position
+        carries over between calls.
+        """
         settings = self.settings
         steps_per_epoch = self.train_sampler.steps_per_epoch
-        start_step = self.state.step
         running_loss = torch.zeros((), device=self.device)
         window_steps = 0
         window_start = time.perf_counter()
         window_wait = 0.0
-        run_start = time.perf_counter()
-        last_loss = float("nan")
         self.metrics.advance(self.state.step)
-        while self.state.step < settings.total_steps:
-            batches = self._epoch_batches()
-            while self.state.step < settings.total_steps:
-                wait_start = time.perf_counter()
-                try:
-                    micro = next(batches)
-                except StopIteration:
-                    break
-                window_wait += time.perf_counter() - wait_start
-                loss = self.train_step(micro)
-                running_loss += loss
-                window_steps += 1
-                self.state.step += 1
-                self.state.step_in_epoch += 1
-                if self.on_step is not None:
-                    self.on_step(self.state.step)
-                end_of_epoch = self.state.step_in_epoch >= steps_per_epoch
-                done = self.state.step >= settings.total_steps
-                if self.state.step % settings.log_every == 0 or done:
-                    elapsed = time.perf_counter() - window_start
-                    last_loss = (running_loss / window_steps).item()
-                    rate = window_steps * settings.global_batch / max(elapsed, 1e-9)
-                    self.metrics.log(
-                        {
-                            "step": self.state.step,
-                            "epoch": self.state.epoch + self.state.step_in_epoch / steps_per_epoch,
-                            "loss": last_loss,
-                            "lr": self.optimizer.param_groups[0]["lr"],
-                            "samples_per_s": rate,
-                            "data_wait_fraction": window_wait / max(elapsed, 1e-9),
-                            "peak_memory_mib": peak_memory_mib(self.device),
-                        }
-                    )
-                    self.metrics.advance(self.state.step, loss=last_loss, rate=rate)
-                    running_loss.zero_()
-                    window_steps, window_wait = 0, 0.0
-                    window_start = time.perf_counter()
-                if end_of_epoch:
-                    self.state.epoch += 1
-                    self.state.step_in_epoch = 0
-                validate_now = (settings.val_every > 0 and self.state.step % settings.val_every == 0) or (
-                    settings.val_every == 0 and end_of_epoch
+        while self.state.step < until_step:
+            wait_start = time.perf_counter()
+            micro = self._next_micro_batches()
+            if micro is None:
+                continue  # the sampler ran dry early (it never should); start the next pass
+            window_wait += time.perf_counter() - wait_start
+            running_loss += self.train_step(micro)
+            window_steps += 1
+            self.state.step += 1
+            self.state.step_in_epoch += 1
+            if self.on_step is not None:
+                self.on_step(self.state.step)
+            end_of_epoch = self.state.step_in_epoch >= steps_per_epoch
+            last = self.state.step >= settings.total_steps
+            if self.state.step % settings.log_every == 0 or self.state.step == until_step:
+                elapsed = time.perf_counter() - window_start
+                self.last_loss = (running_loss / window_steps).item()
+                rate = window_steps * settings.global_batch / max(elapsed, 1e-9)
+                self.metrics.log(
+                    {
+                        "step": self.state.step,
+                        "epoch": self.state.epoch + self.state.step_in_epoch / steps_per_epoch,
+                        "loss": self.last_loss,
+                        "lr": self.optimizer.param_groups[0]["lr"],
+                        "samples_per_s": rate,
+                        "data_wait_fraction": window_wait / max(elapsed, 1e-9),
+                        "peak_memory_mib": peak_memory_mib(self.device),
+                    }
                 )
-                if validate_now and not done:
-                    self._run_validation()
-                checkpoint_now = (
-                    settings.checkpoint_every > 0 and self.state.step % settings.checkpoint_every == 0
-                ) or (settings.checkpoint_every == 0 and end_of_epoch)
-                if checkpoint_now and not done:
-                    self.save_checkpoint()
-                if end_of_epoch:
-                    break
+                self.metrics.advance(self.state.step, loss=self.last_loss, rate=rate)
+                running_loss.zero_()
+                window_steps, window_wait = 0, 0.0
+                window_start = time.perf_counter()
+            if end_of_epoch:
+                self.state.epoch += 1
+                self.state.step_in_epoch = 0
+                self._batches = None
+            every_val, every_ckpt = settings.val_every, settings.checkpoint_every
+            if not last and (
+                (every_val > 0 and self.state.step % every_val == 0) or (every_val == 0 and end_of_epoch)
+            ):
+                self._run_validation()
+            if not last and (
+                (every_ckpt > 0 and self.state.step % every_ckpt == 0) or (every_ckpt == 0 and end_of_epoch)
+            ):
+                self.save_checkpoint()
+        return self.last_loss
+
+    def fit(self) -> dict[str, Any]:
+        """Train until ``total_steps``, validate, checkpoint; return the run summary."""
+        start_step = self.state.step
+        run_start = time.perf_counter()
+        self.run(self.settings.total_steps)
         wall = time.perf_counter() - run_start
         val = self._run_validation()
         self.save_checkpoint()
         steps_run = self.state.step - start_step
         return {
             "steps": self.state.step,
-            "epochs": self.state.step / steps_per_epoch,
-            "final_loss": last_loss,
-            "samples_per_s": steps_run * settings.global_batch / max(wall, 1e-9),
+            "epochs": self.state.step / self.train_sampler.steps_per_epoch,
+            "final_loss": self.last_loss,
+            "samples_per_s": steps_run * self.settings.global_batch / max(wall, 1e-9),
             "train_seconds": wall,
             **val,
             "peak_memory_mib": peak_memory_mib(self.device),
