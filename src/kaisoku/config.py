@@ -79,6 +79,34 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
+class KFACConfig:
+    """K-FAC: precondition Linear, Conv2d and BatchNorm gradients with Kronecker-factored curvature."""
+
+    enabled: bool = False
+    """Precondition gradients with K-FAC before every optimizer step (works with sgd and lars)."""
+    factor_update_steps: int = 1
+    """Update the running-average factors A and G every this many steps."""
+    inv_update_steps: int = 10
+    """Recompute the eigendecompositions (or inverses) every this many steps."""
+    damping: float = 1e-3
+    """Tikhonov damping: eigen applies (G (x) A + damping I)^-1; inverse adds sqrt(damping) to each factor."""
+    factor_decay: float = 0.95
+    """Weight of the old running average in each factor update, in [0, 1)."""
+    kl_clip: float = 1e-3
+    """Scale each update so that lr^2 * sum(v . g) <= kl_clip; 0 disables KL clipping."""
+    method: Literal["eigen", "inverse"] = "eigen"
+    """eigen (exact damping) or inverse (inverses with factored damping)."""
+    memory_mode: Literal["full", "owner"] = "full"
+    """full: every rank keeps every decomposition; owner: only its owner keeps it and broadcasts the preconditioned gradient."""
+    bn: Literal["diagonal", "unit", "skip"] = "diagonal"
+    """BatchNorm Fisher: diagonal, unit (2x2 per channel) or skip (left to the optimizer)."""
+    skip_layers: list[str] = field(default_factory=list)
+    """Module or class names K-FAC leaves to the optimizer."""
+    bucket_cap_mb: float = 25.0
+    """Size of the flat buffers the factor statistics are all-reduced in, in MiB."""
+
+
+@dataclass(kw_only=True)
 class OptimConfig:
     """The optimizer and its hyper-parameters."""
 
@@ -100,6 +128,7 @@ class OptimConfig:
     """LARC: clip the LARS trust ratio so the layer lr never exceeds the global lr."""
     eps: float = 1e-9
     """LARS denominator epsilon."""
+    kfac: KFACConfig = field(default_factory=KFACConfig)
 
 
 @dataclass(kw_only=True)
@@ -427,6 +456,11 @@ def validate(cfg: Config) -> None:
         (cfg.dist.timeout > 0, "dist.timeout must be > 0 seconds"),
         (cfg.dist.max_restarts >= 0, "dist.max_restarts must be >= 0"),
         (cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1"),
+        (cfg.optim.kfac.factor_update_steps >= 1, "optim.kfac.factor_update_steps must be >= 1"),
+        (cfg.optim.kfac.inv_update_steps >= 1, "optim.kfac.inv_update_steps must be >= 1"),
+        (cfg.optim.kfac.damping >= 0, "optim.kfac.damping must be >= 0"),
+        (0 <= cfg.optim.kfac.factor_decay < 1, "optim.kfac.factor_decay must be in [0, 1)"),
+        (cfg.optim.kfac.kl_clip >= 0, "optim.kfac.kl_clip must be >= 0"),
         (cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps must be >= 0"),
     ]
     for ok, message in checks:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kaisoku.config import Config
+from kaisoku.config import Config, apply_override
 from kaisoku.data.datagen import generate
 from kaisoku.distributed.env import World
 from kaisoku.engine.build import build_trainer
@@ -26,8 +26,7 @@ def _config(data: Path, run_dir: Path, **overrides: object) -> Config:
     cfg.metrics.progress = False
     cfg.sched.warmup_epochs = 0.5
     for key, value in overrides.items():
-        section, name = key.split("__")
-        setattr(getattr(cfg, section), name, value)
+        apply_override(cfg, key.replace("__", "."), value)
     return cfg
 
 
@@ -135,3 +134,22 @@ def test_packed_partial_shuffle_with_exchange_and_ram_cache(tmp_path: Path, tiny
     assert 0.0 <= results[0]["summary"]["val_accuracy"] <= 1.0
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert any('"shuffle_quality"' in line for line in lines)
+
+
+@pytest.mark.timeout(240)
+def test_lars_arccot_kfac_run_checkpoints_preconditioner(tmp_path: Path, tiny_data: Path) -> None:
+    overrides = {
+        "optim__name": "lars",
+        "sched__name": "arccot",
+        "train__label_smoothing": 0.1,
+        "optim__kfac__enabled": True,
+        "optim__kfac__inv_update_steps": 2,
+        "model__name": "small-cnn",  # small factors: a ResNet's 4608-wide conv factors take seconds to decompose
+    }
+    results = run_ranks(_train, 2, tmp_path / "k", tiny_data, tmp_path / "run-k", 3, "", overrides)
+    assert results[0]["summary"]["steps"] == 3
+    for value in results[0]["model"].values():
+        assert torch.isfinite(value.float()).all()
+    state = torch.load(tmp_path / "run-k" / "checkpoints" / "step-00000003.pt", weights_only=True)
+    assert state["preconditioner"]["steps"] == 3
+    assert state["preconditioner"]["layers"]

@@ -19,14 +19,19 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kaisoku.bench.common import goal, print_table, write_result
 from kaisoku.config import OptimConfig, SchedConfig
 from kaisoku.optim.factory import build_optimizer, build_scheduler
+
+#: Torch intra-op threads for the benchmark.
+THREADS = 1
 
 #: Largest number of samples in one forward pass; bigger batches accumulate gradients.
 MICRO_BATCH = 512
@@ -102,27 +107,35 @@ class Method:
     notes: str = ""
 
 
-def methods(warmup_epochs: float) -> list[Method]:
-    """The three methods compared."""
+def methods(warmup_epochs: float = 0.5) -> list[Method]:
+    """The three methods compared; each has a 3-point grid of learning rates at B0.
+
+    The SGD grids are centred on SGD's best learning rate at B0 and scaled linearly with the batch (the
+    rule under test). LARS normalises each layer's step, so the recipe scales its grid with ``sqrt(k)``;
+    its trust coefficient sets the weights' relative step and the learning rate the step of the
+    unadapted BatchNorm and bias parameters.
+    """
     sgd_sched = SchedConfig(name="cosine", warmup_epochs=warmup_epochs)
     sgd = OptimConfig(name="sgd", momentum=0.9, weight_decay=5e-4, no_decay_bn_bias=False)
+    sgd_grid = (0.05, 0.1, 0.2)
     return [
-        Method("sgd-linear", sgd, sgd_sched, (0.05, 0.1, 0.2), notes="lr = base * k, warmup + cosine"),
+        Method("sgd-linear", sgd, sgd_sched, sgd_grid, notes="SGD m=0.9, lr = base * k, warmup + cosine"),
         Method(
             "nesterov-linear",
             replace(sgd, nesterov=True),
             sgd_sched,
-            (0.05, 0.1, 0.2),
-            notes="lr = base * k, warmup + cosine",
+            sgd_grid,
+            notes="Nesterov m=0.9, lr = base * k, warmup + cosine",
         ),
         Method(
             "kaisoku-recipe",
-            OptimConfig(name="lars", momentum=0.9, weight_decay=5e-4, eta=0.02, no_decay_bn_bias=True),
-            SchedConfig(name="arccot", warmup_epochs=warmup_epochs, arccot_center=0.5, arccot_slope=10.0),
-            (0.05, 0.1, 0.2),
+            OptimConfig(name="lars", momentum=0.9, weight_decay=5e-4, eta=0.08, no_decay_bn_bias=True),
+            SchedConfig(name="arccot", warmup_epochs=warmup_epochs, arccot_center=0.5, arccot_slope=5.0),
+            (0.1, 0.2, 0.4),
             lr_scaling_power=0.5,
             label_smoothing=0.1,
-            notes="LARS eta 0.02, lr = base * sqrt(k), warmup + arccot, label smoothing 0.1",
+            notes="LARS eta=0.08 m=0.9, no wd/adaptation on BN+bias, lr = base * sqrt(k), "
+            "warmup + arccot (centre 0.5, slope 5), label smoothing 0.1",
         ),
     ]
 
@@ -203,3 +216,188 @@ def train_run(
         result.accuracy[split] = evaluate(model, data[split])
     result.seconds = time.perf_counter() - started
     return result
+
+
+@dataclass
+class Budget:
+    """What one benchmark run trains."""
+
+    epochs: int
+    base_batch: int
+    multiples: tuple[int, ...]
+    seeds: tuple[int, ...]
+    width: int
+    limit: dict[str, int] | None = None
+    grid_indices: tuple[int, ...] = (0, 1, 2)
+    """Which points of each method's grid to try (quick runs try the middle one only)."""
+
+
+FULL = Budget(epochs=3, base_batch=128, multiples=(1, 16, 64), seeds=(0, 1), width=16)
+QUICK = Budget(
+    epochs=1,
+    base_batch=32,
+    multiples=(1, 4, 16),
+    seeds=(0,),
+    width=8,
+    limit={"train": 4096, "val": 1000, "test": 1000},
+    grid_indices=(1,),
+)
+
+
+def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+    """Grid-search each method's learning rate per batch size on x_val, report x_test, write the record."""
+    path = locate_mnist()
+    if path is None or not path.exists():
+        message = (
+            f"largebatch skipped: MNIST archive not found (looked at {path or '../shared/data/mnist.npz'}); "
+            "set KAISOKU_MNIST to an .npz with x_train/y_train, x_val/y_val, x_test/y_test"
+        )
+        print(message)
+        return {"skipped": message}
+    budget = QUICK if quick else FULL
+    previous_threads = torch.get_num_threads()
+    # One thread: on a shared 2-core machine a second OpenMP thread mostly waits for a descheduled peer.
+    torch.set_num_threads(THREADS)
+    started = time.perf_counter()
+    try:
+        data = load_mnist(path, limit=budget.limit)
+        runs, table = _grid_and_seeds(data, budget)
+    finally:
+        torch.set_num_threads(previous_threads)
+    wall = time.perf_counter() - started
+
+    b0 = budget.base_batch
+    accuracy = {(row["method"], row["batch"]): row["test_mean"] for row in table}
+    b0_best = max(accuracy[(m.name, b0)] for m in methods())
+    # The full run's multiples are (1, 16, 64); a quick run has smaller ones in the same places.
+    at16 = budget.multiples[1] * b0
+    at64 = budget.multiples[2] * b0
+    summary = {
+        "recipe_gap_to_b0_best_at_16x": goal(b0_best - accuracy[("kaisoku-recipe", at16)], "<= 1.0"),
+        "sgd_linear_gap_to_b0_best_at_16x": goal(b0_best - accuracy[("sgd-linear", at16)], ">= 3.0"),
+        "recipe_minus_sgd_linear_at_64x": goal(
+            accuracy[("kaisoku-recipe", at64)] - accuracy[("sgd-linear", at64)], ">= 10.0"
+        ),
+        "wall_minutes": goal(wall / 60, "<= 60" if not quick else "<= 1"),
+    }
+    plot = _plot(table, b0_best, out_dir / "largebatch.png", budget)
+    notes = (
+        f"MNIST 50k/10k/10k, SmallCNN(width={budget.width}), {budget.epochs} epochs at every batch size, "
+        f"B0={b0}; lr per (method, batch) picked on x_val from the method's 3-point grid with seed 0, "
+        f"x_test accuracy averaged over seeds {list(budget.seeds)}. Batches above {MICRO_BATCH} accumulate "
+        f"gradients over micro-batches of {MICRO_BATCH}: BatchNorm normalises each micro-batch. Warmup "
+        f"0.5 epoch for every method; {THREADS} torch thread(s)."
+    )
+    print_table("largebatch (x_test accuracy %, mean of seeds)", table, summary)
+    return write_result(
+        "largebatch",
+        out_dir,
+        summary,
+        table,
+        quick=quick,
+        notes=notes + (" QUICK: subset of the data, figures not meaningful." if quick else ""),
+        extra={
+            "runs": runs,
+            "b0_best_test": round(b0_best, 2),
+            "budget": {
+                "epochs": budget.epochs,
+                "base_batch": b0,
+                "batches": [b0 * m for m in budget.multiples],
+                "micro_batch": MICRO_BATCH,
+                "width": budget.width,
+                "seeds": list(budget.seeds),
+                "limit": budget.limit,
+                "wall_s": round(wall, 1),
+            },
+            "methods": {m.name: m.notes for m in methods()},
+            "plot": str(plot) if plot else None,
+        },
+    )
+
+
+def _grid_and_seeds(
+    data: dict[str, Split], budget: Budget
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every training run (grid with the first seed, then the other seeds at the picked lr) and the table."""
+    runs: list[dict[str, Any]] = []
+    table: list[dict[str, Any]] = []
+    first, *others = budget.seeds
+    for method in methods():
+        for multiple in budget.multiples:
+            batch = budget.base_batch * multiple
+            tried = []
+            for base in (method.lr_grid[i] for i in budget.grid_indices):
+                lr = base * multiple**method.lr_scaling_power
+                result = train_run(
+                    data, method, batch=batch, lr=lr, seed=first, epochs=budget.epochs, width=budget.width
+                )
+                tried.append((result.accuracy["val"], lr, result))
+                runs.append(_run_row(method.name, batch, lr, first, result, "grid"))
+            _, best_lr, best = max(tried, key=lambda item: item[0])
+            tests = [best.accuracy["test"]]
+            for seed in others:
+                result = train_run(
+                    data, method, batch=batch, lr=best_lr, seed=seed, epochs=budget.epochs, width=budget.width
+                )
+                tests.append(result.accuracy["test"])
+                runs.append(_run_row(method.name, batch, best_lr, seed, result, "seed"))
+            table.append(
+                {
+                    "method": method.name,
+                    "batch": batch,
+                    "steps": best.steps,
+                    "lr": round(best_lr, 4),
+                    "val_grid": " / ".join(f"{acc:.2f}" for acc, _, _ in tried),
+                    "test_mean": round(float(np.mean(tests)), 3),
+                    "test_seeds": " / ".join(f"{acc:.2f}" for acc in tests),
+                }
+            )
+            print(
+                f"  {method.name:16s} batch {batch:5d}: lr {best_lr:.4g}, test {np.mean(tests):.2f}",
+                flush=True,
+            )
+    return runs, table
+
+
+def _run_row(method: str, batch: int, lr: float, seed: int, result: RunResult, phase: str) -> dict[str, Any]:
+    return {
+        "phase": phase,
+        "method": method,
+        "batch": batch,
+        "lr": round(lr, 5),
+        "seed": seed,
+        "val": result.accuracy.get("val"),
+        "test": result.accuracy.get("test"),
+        "steps": result.steps,
+        "diverged": result.diverged,
+        "seconds": round(result.seconds, 1),
+    }
+
+
+def _plot(table: list[dict[str, Any]], b0_best: float, path: Path, budget: Budget) -> Path | None:
+    """Test accuracy against batch size, one line per method, the B0 best as a dashed line."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6.4, 4.2))
+    for method in dict.fromkeys(row["method"] for row in table):
+        rows = [row for row in table if row["method"] == method]
+        axis.plot([r["batch"] for r in rows], [r["test_mean"] for r in rows], marker="o", label=method)
+    axis.axhline(b0_best, color="grey", linestyle="--", linewidth=1, label=f"B0 best {b0_best:.2f}%")
+    axis.axhline(b0_best - 1, color="grey", linestyle=":", linewidth=1, label="B0 best - 1")
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("mini-batch size")
+    axis.set_ylabel("x_test accuracy (%), mean of seeds")
+    axis.set_title(f"MNIST, {budget.epochs} epochs at every batch size")
+    axis.set_ylim(max(0.0, min(r["test_mean"] for r in table) - 2), 100)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8, loc="lower left")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

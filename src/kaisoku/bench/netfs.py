@@ -137,10 +137,9 @@ class _Pump:
             pass
 
 
-def serve_proxy(listen: tuple[str, int], target: tuple[str, int], delay: float) -> None:
-    """Accept connections on ``listen`` and relay each to ``target``, ``delay`` seconds per direction."""
-    server = socket.create_server(listen, reuse_port=False)
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def serve_proxy(server: socket.socket, target: tuple[str, int], delay: float) -> None:
+    """Accept connections on the listening ``server`` socket and relay each to ``target``, ``delay`` seconds
+    per direction (runs until the process ends)."""
     while True:
         client, _ = server.accept()
         upstream = socket.create_connection(target)
@@ -165,9 +164,7 @@ def unavailable_reason() -> str | None:
     if not Path("/usr/sbin/sshd").exists():
         missing.append("sshd")
     if missing:
-        return (
-            f"missing {', '.join(missing)}: apt-get install openssh-server openssh-client sshfs iproute2"
-        )
+        return f"missing {', '.join(missing)}: apt-get install openssh-server openssh-client sshfs iproute2"
     if not Path("/dev/fuse").exists():
         return "no /dev/fuse (FUSE is needed for sshfs)"
     if not os.access("/proc/sys/vm/drop_caches", os.W_OK):
@@ -189,7 +186,11 @@ def unavailable_reason() -> str | None:
 
 def _stderr(error: BaseException) -> str:
     if isinstance(error, subprocess.CalledProcessError):
-        return (error.stderr or str(error)).strip().splitlines()[-1] if (error.stderr or "").strip() else str(error)
+        return (
+            (error.stderr or str(error)).strip().splitlines()[-1]
+            if (error.stderr or "").strip()
+            else str(error)
+        )
     return str(error)
 
 
@@ -257,7 +258,9 @@ class LinkSetting:
 
     def label(self) -> str:
         """e.g. ``1Gbit/s, RTT+2ms``."""
-        rate = f"{self.rate_bits / 1e9:g}Gbit/s" if self.rate_bits >= 1e9 else f"{self.rate_bits / 1e6:g}Mbit/s"
+        rate = (
+            f"{self.rate_bits / 1e9:g}Gbit/s" if self.rate_bits >= 1e9 else f"{self.rate_bits / 1e6:g}Mbit/s"
+        )
         return f"{rate}, RTT+{2 * self.delay * 1e3:g}ms"
 
 
@@ -281,6 +284,7 @@ class SlowMount:
         self._setting: LinkSetting | None = None
         self._closed = False
         self._previous_sigterm: object = None
+        self._owner = os.getpid()  # forked children (DataLoader workers) inherit this object: never theirs
 
     # -- lifecycle
 
@@ -301,12 +305,14 @@ class SlowMount:
         self.close()
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
+        if os.getpid() != self._owner:
+            os._exit(128 + signum)  # a forked child being stopped: the setup is not its to remove
         self.close()
         raise SystemExit(128 + signum)
 
     def close(self) -> None:
-        """Tear everything down; safe to call twice."""
-        if self._closed:
+        """Tear everything down; safe to call twice; a no-op in forked children."""
+        if self._closed or os.getpid() != self._owner:
             return
         self._closed = True
         self._unmount()
@@ -404,9 +410,22 @@ class SlowMount:
     def _start_proxy(self, delay: float) -> None:
         self._stop("proxy")
         self._procs["proxy"] = subprocess.Popen(
-            ["ip", "netns", "exec", self.server_ns, sys.executable, "-m", "kaisoku.bench.netfs", "proxy",
-             "--listen", f"{_SERVER_ADDR}:{_PROXY_PORT}", "--target", f"127.0.0.1:{_SSHD_PORT}",
-             "--delay-ms", str(delay * 1e3)],  # fmt: skip
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.server_ns,
+                sys.executable,
+                "-m",
+                "kaisoku.bench.netfs",
+                "proxy",
+                "--listen",
+                f"{_SERVER_ADDR}:{_PROXY_PORT}",
+                "--target",
+                f"127.0.0.1:{_SSHD_PORT}",
+                "--delay-ms",
+                str(delay * 1e3),
+            ],  # fmt: skip
             stdout=subprocess.DEVNULL,
             stderr=open(self.work / "proxy.log", "ab"),  # noqa: SIM115 - lives as long as the proxy
         )
@@ -499,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     proxy.add_argument("--delay-ms", type=float, default=0.0)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    serve_proxy(args.listen, args.target, args.delay_ms / 1e3)
+    serve_proxy(socket.create_server(args.listen), args.target, args.delay_ms / 1e3)
     return 0
 
 

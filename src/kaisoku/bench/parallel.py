@@ -199,7 +199,7 @@ def bench_bubble(quick: bool) -> list[dict[str, Any]]:
     """
     ms = [2, 4, 8]
     width, depth, micro_size = 1024, 8, 128
-    rounds = 4 if quick else 12
+    rounds = 3 if quick else 12
     per_rank = launch(_bubble_rank, 2, width, depth, micro_size, ms, rounds)
     rows = []
     p = 2
@@ -434,7 +434,7 @@ def bench_mnist(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         "switch": f"dp2xpp2:0-{epochs // 2},dp4:{epochs // 2}-",
     }
     seeds = [0, 1] if quick else [0, 1, 2]
-    train_limit = 2048 if quick else None
+    train_limit = 1536 if quick else None
     raw = launch(_mnist_rank, 4, str(path), configs, seeds, epochs, 128, 4, train_limit)[0]
     rows = [
         {"part": "mnist", **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}}

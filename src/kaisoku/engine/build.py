@@ -201,6 +201,27 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
             growth=cfg.dist.bucket_growth,
         )
         model = wrap_ddp(model, device, plan=plan, compress_bf16=cfg.dist.compress == "bf16")
+    preconditioner = None
+    if cfg.optim.kfac.enabled:
+        from kaisoku.optim.kfac import KFAC
+
+        k = cfg.optim.kfac
+        # The hooks go on the inner modules; DDP has already averaged the gradients they precondition.
+        preconditioner = KFAC(
+            model,
+            factor_update_steps=k.factor_update_steps,
+            inv_update_steps=k.inv_update_steps,
+            damping=k.damping,
+            factor_decay=k.factor_decay,
+            kl_clip=k.kl_clip or None,
+            lr=optimizer,
+            method=k.method,
+            memory_mode=k.memory_mode,
+            bn=k.bn,
+            skip_layers=tuple(k.skip_layers),
+            grad_accum=cfg.train.grad_accum,
+            bucket_cap_mb=k.bucket_cap_mb,
+        )
 
     steps_per_epoch = data.train_sampler.steps_per_epoch
     horizon = steps_for(cfg.train.epochs, steps_per_epoch, 0)
@@ -241,6 +262,7 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
         metrics=metrics,
         checkpoints=CheckpointManager(run_dir / "checkpoints", keep=cfg.checkpoint.keep),
         config_dict=to_dict(cfg),
+        preconditioner=preconditioner,
     )
     metrics.log(
         {

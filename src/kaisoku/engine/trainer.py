@@ -125,6 +125,9 @@ class Trainer:
         if settings.precision == "fp16" and device.type != "cuda":
             raise KaisokuError("train.precision fp16 needs CUDA; use bf16 on the CPU")
         self.scaler = torch.amp.GradScaler("cuda", enabled=settings.precision == "fp16")
+        if preconditioner is not None and hasattr(preconditioner, "grad_scaler"):
+            # K-FAC builds G from unscaled gradients under fp16.
+            preconditioner.grad_scaler = self.scaler
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(settings.precision)
         self.last_val: dict[str, float] = {}
         self.last_loss = float("nan")
