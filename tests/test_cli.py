@@ -22,7 +22,7 @@ def _kaisoku(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
     ("args", "expected"),
     [
         (["train", "--optim.lrr", "1"], "unknown config key 'optim.lrr'"),
-        (["train", "--optim.name", "adam"], "choose one of: sgd, lars, adamw"),
+        (["train", "--optim.name", "adam"], "choose one of: sgd, lars, lamb, adamw"),
         (["train", "--preset", "nope"], "choose one of: cpu-demo"),
         (["train", "--train.epochs", "x"], "train.epochs: 'x' is not a float"),
         (["bench", "nosuch"], "unknown benchmark 'nosuch'"),

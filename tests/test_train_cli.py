@@ -31,6 +31,7 @@ def _args(data: Path, run_dir: Path, *extra: str) -> list[str]:
         "--data.image-size", "16",
         "--data.global-batch", "16",
         "--data.workers", "0",
+        "--model.stem", "imagenet",
         "--train.epochs", "2",
         "--train.log-every", "1",
         "--metrics.progress", "false",

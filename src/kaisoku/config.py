@@ -32,8 +32,8 @@ class ModelConfig:
     """Model builder: resnet10, resnet18, resnet34, resnet50 (torchvision ResNets), small-cnn."""
     num_classes: int = 0
     """Number of output classes; 0 takes it from the dataset."""
-    stem: Literal["imagenet", "small"] = "imagenet"
-    """ResNet stem: imagenet (7x7/2 conv + max-pool) or small (3x3/1 conv, no pool, for images <= 64 px)."""
+    stem: Literal["imagenet", "small", "compact"] = "compact"
+    """ResNet stem: imagenet (7x7/2 conv + max-pool, for 224 px), small (3x3/1 conv, no pool) or compact (3x3/2 conv, no pool: for images of 24 to 64 px)."""
     zero_init_residual: bool = True
     """Start the last BatchNorm gamma of every residual block at zero, so each block begins as identity."""
     bn_momentum: float = 0.1
@@ -48,7 +48,7 @@ class DataConfig:
     """Dataset: a packed dataset (kaisoku pack), or a folder of class sub-folders of images. Empty: kaisoku's generated demo set."""
     cache_dir: str = "~/.cache/kaisoku"
     """Where the generated demo set is written on first use."""
-    image_size: int = 32
+    image_size: int = 24
     """Side of the square training crop, in pixels."""
     crop_scale_min: float = 0.35
     """Smallest area fraction of the random-resized crop."""
@@ -110,9 +110,9 @@ class KFACConfig:
 class OptimConfig:
     """The optimizer and its hyper-parameters."""
 
-    name: Literal["sgd", "lars", "adamw"] = "sgd"
-    """Optimizer: sgd (momentum SGD), lars (layer-wise trust ratio, for large batches) or adamw."""
-    lr: float = 0.1
+    name: Literal["sgd", "lars", "lamb", "adamw"] = "sgd"
+    """Optimizer: sgd (momentum SGD), lars (layer-wise trust ratio, for large batches), lamb or adamw."""
+    lr: float = 0.2
     """Peak learning rate (after warmup)."""
     momentum: float = 0.9
     """Momentum factor."""
@@ -128,6 +128,8 @@ class OptimConfig:
     """LARC: clip the LARS trust ratio so the layer lr never exceeds the global lr."""
     eps: float = 1e-9
     """LARS denominator epsilon."""
+    compile: bool = False
+    """Run the LARS update through torch.compile (fused kernels on GPUs; the first step compiles)."""
     kfac: KFACConfig = field(default_factory=KFACConfig)
 
 
@@ -138,7 +140,7 @@ class SchedConfig:
     name: Literal["constant", "cosine", "arccot", "poly", "step"] = "cosine"
     """Schedule after warmup: constant, cosine, arccot (arc-cotangent), poly (polynomial) or step."""
     warmup_epochs: float = 0.5
-    """Linear warmup from 0 to the peak learning rate, in epochs."""
+    """Linear warmup, in epochs, up to the schedule's value where warmup ends (the peak, except arccot: about 0.94 of it with slope 10)."""
     min_lr_ratio: float = 0.0
     """Final learning rate as a fraction of the peak (cosine, poly)."""
     arccot_center: float = 0.5
@@ -157,7 +159,7 @@ class SchedConfig:
 class TrainConfig:
     """The training loop."""
 
-    epochs: float = 6.0
+    epochs: float = 7.0
     """Epochs to train (fractions allowed)."""
     max_steps: int = 0
     """Stop after this many optimizer steps; 0 runs all epochs."""
@@ -224,6 +226,33 @@ class MetricsConfig:
 
 
 @dataclass(kw_only=True)
+class ParallelConfig:
+    """Hybrid data x pipeline parallelism and switch-parallel."""
+
+    dp: int = -1
+    """Data-parallel replicas; -1: the world size divided by pp. dp x pp must equal the world size."""
+    pp: int = 1
+    """Pipeline stages per replica (1: plain data parallelism with DDP)."""
+    microbatches: int = 4
+    """Micro-batches per replica batch when pp > 1; must divide the per-replica batch."""
+    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"
+    """Pipeline schedule."""
+    virtual_stages: int = 1
+    """Stages per rank for interleaved-1f1b (2 or more to interleave)."""
+    balance: Literal["parameters", "time"] = "parameters"
+    """Split the model's blocks into stages balanced by parameter count or by time measured on rank 0."""
+    switch: str = ""
+    """Switch-parallel schedule, e.g. "dp2xpp2:0-10,dp4:10-" (half-open ranges, last open-ended); overrides dp/pp."""
+    switch_unit: Literal["epoch", "step"] = "epoch"
+    """What the ranges of parallel.switch count."""
+
+    @property
+    def hybrid(self) -> bool:
+        """True when training runs on pipeline stages or switches layout (pp > 1 or a switch schedule)."""
+        return self.pp > 1 or bool(self.switch.strip())
+
+
+@dataclass(kw_only=True)
 class Config:
     """A whole training run."""
 
@@ -237,6 +266,7 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -445,6 +475,8 @@ def validate(cfg: Config) -> None:
         (cfg.optim.lr > 0, f"optim.lr must be > 0 (got {cfg.optim.lr})"),
         (cfg.optim.weight_decay >= 0, "optim.weight_decay must be >= 0"),
         (0 <= cfg.optim.momentum < 1, "optim.momentum must be in [0, 1)"),
+        (cfg.optim.eta > 0, f"optim.eta must be > 0 (got {cfg.optim.eta})"),
+        (cfg.optim.eps >= 0, "optim.eps must be >= 0"),
         (cfg.sched.warmup_epochs >= 0, "sched.warmup_epochs must be >= 0"),
         (cfg.train.epochs > 0, "train.epochs must be > 0"),
         (cfg.train.max_steps >= 0, "train.max_steps must be >= 0"),
@@ -467,6 +499,7 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise ConfigError(message)
     _validate_data(cfg.data)
+    _validate_parallel(cfg)
     if cfg.data.path and not Path(cfg.data.path).expanduser().exists():
         raise ConfigError(f"data.path {cfg.data.path} does not exist; point it at a dataset folder")
     if cfg.data.path and not Path(cfg.data.path).expanduser().is_dir():
@@ -495,3 +528,21 @@ def _validate_data(data: DataConfig) -> None:
         raise ConfigError(
             "data.local_capacity needs data.local_cache, the node-local directory to stage into"
         )
+
+
+def _validate_parallel(cfg: Config) -> None:
+    """Check ``parallel.*``; dp x pp against the world where it is known yet (else at start, on the ranks)."""
+    par = cfg.parallel
+    if par.dp != -1 and par.dp < 1:
+        raise ConfigError(f"parallel.dp must be -1 (the ranks left) or >= 1 (got {par.dp})")
+    if par.pp < 1:
+        raise ConfigError(f"parallel.pp must be >= 1 (got {par.pp})")
+    if par.microbatches < 1:
+        raise ConfigError(f"parallel.microbatches must be >= 1 (got {par.microbatches})")
+    if par.virtual_stages < 1:
+        raise ConfigError(f"parallel.virtual_stages must be >= 1 (got {par.virtual_stages})")
+    if not par.hybrid and par.dp == -1:
+        return  # plain data parallelism over the whole world
+    from kaisoku.engine.hybrid import check_parallel_config
+
+    check_parallel_config(cfg)

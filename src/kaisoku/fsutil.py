@@ -39,6 +39,10 @@ def atomic_open(
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     tmp = Path(tmp_name)
+    # mkstemp makes the file private (0600); give it the mode a plain open() would have.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
     try:
         with os.fdopen(fd, mode, **kwargs) as handle:
             yield handle

@@ -23,6 +23,7 @@ from kaisoku.data.cache import (
     node_trace,
     parse_bytes,
     plan_staging,
+    progress_ticket,
     sampler_trace_fn,
 )
 from kaisoku.data.sampler import EpochSampler
@@ -195,7 +196,9 @@ def test_staging_follows_first_use_and_epoch_two_reads_no_source(tmp_path: Path,
         train_epoch(cache, sampler, 1)
         after = cache.node_stats()
         assert after["source_reads"] == before["source_reads"]
-        assert after["ram_opens"] >= before["ram_opens"]
+        # The reader never went to the source: each shard was mapped once from a node-local tier.
+        assert cache.stats()["source_reads"] == 0
+        assert after["ram_opens"] + after["local_opens"] == len(SIZES)
     finally:
         cache.close()
     assert not (ram_dir / "shards").exists()
@@ -248,20 +251,26 @@ def test_evictions_match_belady_simulator(tmp_path: Path, ram_dir: Path) -> None
 def test_eviction_waits_for_readers(tmp_path: Path, ram_dir: Path) -> None:
     paths = make_source(tmp_path / "source", SIZES)
     sampler = _sampler()
+    trace_of = sampler_trace_fn(sampler, node=0, ranks_per_node=1)
     cache = NodeCache(
         paths,
         ram_dir=ram_dir,
         ram_capacity=3 * SHARD_BYTES,
-        schedule=StagingSchedule(sampler_trace_fn(sampler, node=0, ranks_per_node=1), num_epochs=1),
+        schedule=StagingSchedule(trace_of, num_epochs=1),
         run_token="t3",
     )
+    plan = plan_staging(trace_of(0, 0), 3 * SHARD_BYTES, np.full(8, SHARD_BYTES))
+    first_evict = next(a for a in plan.actions if a.kind == "evict")
     try:
-        # No reader has reported progress: the stager fills the capacity, then must not evict.
-        assert not cache.wait_staged(0, timeout=0.5)
+        # No reader has reported progress: the stager fills the capacity, then stops at the first
+        # eviction until every rank has finished the step of the victim's last use.
+        assert cache.wait_stalled(timeout=60) == progress_ticket(0, first_evict.after_step + 1)
         kinds = [ev.kind for _, _, ev in cache.stager_log]
         assert kinds.count("load") == 3 and "evict" not in kinds
+        assert not cache.wait_staged(0, timeout=0)
         train_epoch(cache, sampler, 0)
-        assert cache.wait_staged(0, timeout=30)
+        assert cache.wait_staged(0, timeout=60)
+        assert cache.wait_stalled(timeout=60) is None  # finished
     finally:
         cache.close()
 
@@ -458,11 +467,13 @@ def _node_of_two_ranks(rank: int, world_size: int, tmp: Path, ram_dir: str) -> d
     train_epoch(cache, sampler, 1)
     dist.barrier()
     second = cache.node_stats()
+    reader = cache.stats()
     dist.barrier()
     cache.close()
     return {
         "epoch0_source": first["source_reads"],
         "epoch1_source": second["source_reads"] - first["source_reads"],
+        "reader_source": reader["source_reads"],
     }
 
 
@@ -470,5 +481,6 @@ def _node_of_two_ranks(rank: int, world_size: int, tmp: Path, ram_dir: str) -> d
 def test_ranks_of_a_node_share_one_stager(tmp_path: Path, ram_dir: Path) -> None:
     make_source(tmp_path / "source", SIZES)
     results = run_ranks(_node_of_two_ranks, 2, tmp_path, str(ram_dir), timeout=100)
-    # Both ranks read everything through one node cache: each shard came from the source once, in epoch 0.
-    assert results[0] == results[1] == {"epoch0_source": len(SIZES), "epoch1_source": 0}
+    # Both ranks read everything through one node cache: each shard came from the source once, in epoch 0,
+    # read by the stager; neither reader went to the source, however the threads were scheduled.
+    assert results[0] == results[1] == {"epoch0_source": len(SIZES), "epoch1_source": 0, "reader_source": 0}

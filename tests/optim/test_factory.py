@@ -42,11 +42,17 @@ def test_param_groups_without_split_and_with_exclusions() -> None:
     (single,) = param_groups(Net(), weight_decay=1e-4, no_decay_bn_bias=False)
     assert names(single) == ["conv.weight", "bn.weight", "bn.bias", "fc.weight", "fc.bias"]
     by_pattern = param_groups(Net(), weight_decay=1e-4, no_decay_bn_bias=False, exclude=["fc.*"])
-    assert [names(g) for g in by_pattern] == [["conv.weight", "bn.weight", "bn.bias"], ["fc.weight", "fc.bias"]]
+    assert [names(g) for g in by_pattern] == [
+        ["conv.weight", "bn.weight", "bn.bias"],
+        ["fc.weight", "fc.bias"],
+    ]
     by_predicate = param_groups(
         Net(), weight_decay=1e-4, no_decay_bn_bias=True, exclude=lambda name, p: name.startswith("conv")
     )
-    assert [names(g) for g in by_predicate] == [["fc.weight"], ["conv.weight", "bn.weight", "bn.bias", "fc.bias"]]
+    assert [names(g) for g in by_predicate] == [
+        ["fc.weight"],
+        ["conv.weight", "bn.weight", "bn.bias", "fc.bias"],
+    ]
 
 
 def test_registry_covers_every_configurable_name() -> None:
@@ -142,3 +148,14 @@ def test_recipe_trains() -> None:
         scheduler.step()
         losses.append(loss.item())
     assert losses[-1] < 0.8 * losses[0]
+
+
+def test_build_optimizer_from_named_parameters_of_a_part() -> None:
+    from kaisoku.optim.factory import build_optimizer_from_named
+
+    model = Net()
+    stage = [(name, p) for name, p in model.named_parameters() if name.startswith(("bn.", "fc."))]
+    optimizer = build_optimizer_from_named(stage, OptimConfig(name="lars", weight_decay=1e-3))
+    assert [names(g) for g in optimizer.param_groups] == [["fc.weight"], ["bn.weight", "bn.bias", "fc.bias"]]
+    with pytest.raises(ConfigError, match="trainable"):
+        build_optimizer_from_named(list(model.frozen.named_parameters()), OptimConfig())

@@ -18,7 +18,12 @@ from kaisoku.optim.schedules import WarmupSchedule, schedule_factor
 def small_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3), nn.Linear(3, 2)
+        nn.Conv2d(2, 4, 3),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3),
+        nn.Linear(3, 2),
     )
 
 
@@ -73,7 +78,10 @@ def test_default_exclusion_matches_sgd_with_no_decay_on_bn_and_bias() -> None:
     decay = [p for p in theirs.parameters() if p.ndim > 1]
     no_decay = [p for p in theirs.parameters() if p.ndim <= 1]
     sgd = torch.optim.SGD(
-        [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=0.05, momentum=0.9, weight_decay=1e-2
+        [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=0.05,
+        momentum=0.9,
+        weight_decay=1e-2,
     )
     train_steps(ours, lars, 5)
     train_steps(theirs, sgd, 5)
@@ -118,7 +126,11 @@ def test_groups_and_name_predicate_match_reference() -> None:
         named = list(m.named_parameters())
         return [
             {"params": [(n, p) for n, p in named if n.startswith("0.")], "lars_exclude": True},
-            {"params": [(n, p) for n, p in named if not n.startswith("0.")], "eta": 0.05, "weight_decay": 0.0},
+            {
+                "params": [(n, p) for n, p in named if not n.startswith("0.")],
+                "eta": 0.05,
+                "weight_decay": 0.0,
+            },
         ]
 
     kwargs = dict(lr=0.1, momentum=0.9, weight_decay=1e-3, eta=0.01, exclude=head)
@@ -148,7 +160,9 @@ def rosenbrock(w: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "make", [lambda p: LARS([p], lr=1.0, eta=0.02, momentum=0.9), lambda p: LAMB([p], lr=0.05)], ids=["lars", "lamb"]
+    "make",
+    [lambda p: LARS([p], lr=1.0, eta=0.02, momentum=0.9), lambda p: LAMB([p], lr=0.05)],
+    ids=["lars", "lamb"],
 )
 def test_converges_on_rosenbrock(make) -> None:
     w = torch.tensor([[-1.5, 2.0]], requires_grad=True)  # 2-D, so it is adapted
@@ -203,7 +217,7 @@ def test_step_runs_on_meta_tensors(make) -> None:
     optimizer = make(model.parameters())
     optimizer.step()
     optimizer.step()
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError, match="meta"):
         bool(next(model.parameters()).sum() > 0)
 
 
@@ -258,7 +272,9 @@ def test_bad_group_hyper_parameter_names_the_field() -> None:
         LARS([{"params": [layer.weight], "eta": 0.0}, {"params": [layer.bias]}], lr=0.1)
 
 
-def lamb_reference(params: list[torch.Tensor], state: dict, *, lr: float, betas, eps: float, wd: float) -> None:
+def lamb_reference(
+    params: list[torch.Tensor], state: dict, *, lr: float, betas, eps: float, wd: float
+) -> None:
     """One LAMB step, one tensor at a time (ndim <= 1 excluded from ratio and decay)."""
     beta1, beta2 = betas
     with torch.no_grad():
@@ -294,3 +310,22 @@ def test_lamb_matches_per_parameter_reference() -> None:
         lamb.step()
         lamb_reference(list(ref.parameters()), state, lr=0.01, betas=(0.9, 0.999), eps=1e-6, wd=1e-2)
     assert_same_params(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_step_is_a_few_batched_calls_without_host_syncs() -> None:
+    from kaisoku.bench.optim import profile_step
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8) for _ in range(40)]
+    model = nn.Sequential(*layers, nn.BatchNorm1d(8))
+    optimizer = LARS(model.parameters(), lr=0.1, weight_decay=1e-4, nesterov=True, trust_clip=True)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    counts = profile_step(optimizer)
+    assert counts["host_syncs"] == 0
+    # 82 tensors, yet a constant number of operator calls: the work is batched, not per parameter.
+    assert counts["top_level_calls"] <= 30
+    reference = ReferenceLARS(model.parameters(), lr=0.1, weight_decay=1e-4)
+    reference.step()
+    assert profile_step(reference)["host_syncs"] == 2 * 40

@@ -98,7 +98,9 @@ def test_bad_arguments() -> None:
 def test_state_dict_resumes_the_curve_and_loads_weights_only() -> None:
     def make() -> tuple[torch.optim.Optimizer, WarmupSchedule]:
         optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=PEAK)
-        return optimizer, WarmupSchedule(optimizer, schedule_factor("arccot", total_steps=100, warmup_steps=5))
+        return optimizer, WarmupSchedule(
+            optimizer, schedule_factor("arccot", total_steps=100, warmup_steps=5)
+        )
 
     optimizer, scheduler = make()
     for _ in range(37):

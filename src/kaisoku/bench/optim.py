@@ -87,7 +87,9 @@ class ReferenceLARS(Optimizer):
                 if param.grad is None:
                     continue
                 forced = group["lars_exclude"]
-                excluded = forced if forced is not None else self._exclude(names[index] if names else "", param)
+                excluded = (
+                    forced if forced is not None else self._exclude(names[index] if names else "", param)
+                )
                 update = param.grad
                 if not excluded:
                     if wd != 0:
@@ -186,6 +188,16 @@ def _optimizers(*, compiled: bool) -> dict[str, Callable[[list[dict[str, Any]]],
 # Measurements
 
 
+def _version(module: str) -> str | None:
+    """The installed version of ``module``, or None where it is not installed."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(module.replace("_", "-"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def profile_step(optimizer: Optimizer) -> dict[str, int]:
     """Top-level operator calls and host synchronisations of one ``optimizer.step()``."""
     from torch.profiler import ProfilerActivity, profile
@@ -242,7 +254,9 @@ def measure_case(
     for name, values in times.items():
         median, iqr = median_iqr(values)
         rows[name].update(
-            step_ms=round(median * 1e3, 3), iqr_ms=round(iqr * 1e3, 3), vs_foreach_sgd=round(median / baseline, 3)
+            step_ms=round(median * 1e3, 3),
+            iqr_ms=round(iqr * 1e3, 3),
+            vs_foreach_sgd=round(median / baseline, 3),
         )
     return list(rows.values())
 
@@ -252,14 +266,18 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # stable on a shared machine; every row runs under the same setting
     try:
-        repeats = 5 if quick else 21
+        repeats = 3 if quick else 21
         builders = _optimizers(compiled=not quick)
         rows = measure_case("resnet50", resnet50_parameters(), builders, repeats=repeats)
         small_builders = dict(builders)
         if not quick:
-            small_builders["kaisoku_lars_compiled"] = "compile of 2,000-tensor lists not measured (compile time)"
+            small_builders["kaisoku_lars_compiled"] = (
+                "compile of 2,000-tensor lists not measured (compile time)"
+            )
         count = 500 if quick else 2000
-        rows += measure_case(f"small_{count}x64x64", small_tensor_parameters(count), small_builders, repeats=repeats)
+        rows += measure_case(
+            f"small_{count}x64x64", small_tensor_parameters(count), small_builders, repeats=repeats
+        )
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -296,5 +314,9 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         rows,
         quick=quick,
         notes=notes,
-        extra={"torch_threads": 1, "repeats": repeats},
+        extra={
+            "torch_threads": 1,
+            "repeats": repeats,
+            "peers": {"torch_optimizer": _version("torch_optimizer")},
+        },
     )

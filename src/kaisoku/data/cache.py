@@ -18,17 +18,24 @@ The pure part:
 
 The runtime part, :class:`NodeCache`: every rank of a node builds one with the same directories. Local
 rank 0 prepares the node's control files in the RAM directory (``/dev/shm/...``: shard-state flags, each
-rank's progress, counters) and runs the stager thread; all ranks read. The stager computes the node's
-trace from (seed, epoch) for the current epoch with the next epoch as look-ahead, plans each tier with
-:func:`plan_staging`, and executes the plan: it reads whole shards sequentially from the source (or from
-the local tier into RAM), writes them to a temporary name and renames, and it runs ahead of training as
-far as the capacities allow. An eviction waits until every rank of the node has reported (through
-:meth:`NodeCache.mark_progress`) that it finished the step of the victim's last use before the eviction.
-Readers memory-map RAM or local files; a shard whose load needs no more reader progress (the stager's
-open window) is waited for; anything else is read from the source, so no wait can deadlock. When the
-local directory is full or unwritable, staging into it stops with one warning and training goes on from
-RAM or the source. Counters (source reads and bytes, per process, summed per node) let a test or a
-benchmark check that an epoch read nothing from the source.
+rank's progress, each shard's next planned load, counters) and runs the stager thread; all ranks read.
+The stager computes the node's trace from (seed, epoch) for the current epoch with the next epoch as
+look-ahead, plans each tier with :func:`plan_staging`, and executes the plan: it reads whole shards
+sequentially from the source (or from the local tier into RAM), writes them to a temporary name and
+renames, and it runs ahead of training as far as the capacities allow. An eviction waits until every rank
+of the node has reported (through :meth:`NodeCache.mark_progress`) that it finished the step of the
+victim's last use before the eviction.
+
+Readers memory-map RAM or local files. A shard that is not staged is waited for when its load comes no
+later than the step the reader's rank has reached (so a shard the plan loads is never read from the
+source, whatever the timing), or when its load needs no more reader progress at all (the stager's open
+window: reads ahead of the reported progress, e.g. in DataLoader workers); anything else, in particular
+an access the plan bypasses, is read from the source. No wait can deadlock: every action before a load
+for step ``t`` is gated on progress to step ``t`` at most, which the slowest rank of the node reaches
+without waiting on anything later than its own step. When the local directory is full or unwritable,
+staging into it stops with one warning and training goes on from RAM or the source. Counters (source
+reads and bytes, per process, summed per node) let a test or a benchmark check that an epoch read
+nothing from the source.
 
 Every rank of a node calls, in order: ``NodeCache.for_sampler(...)`` (after ``sampler.load_state_dict``
 when resuming), then per epoch ``sampler.set_epoch(e)`` and ``cache.mark_progress(e, sampler.step)``, and
@@ -46,7 +53,7 @@ import os
 import shutil
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -517,6 +524,7 @@ class NodeCache:
         self._stop = threading.Event()
         self._staged = threading.Condition()
         self._staged_epoch = -1
+        self._stalled_on: int | None = None
         self._warned: set[str] = set()
         # Only the process that prepared the node (not a forked DataLoader worker) stages or deletes files.
         self._owner_pid = os.getpid() if local_rank == 0 else None
@@ -610,6 +618,10 @@ class NodeCache:
         control[_EPOCH_SLOT] = -1
         control.flush()
         del control
+        next_load = np.memmap(self.ram_dir / "next_load.bin", dtype=np.int64, mode="r+")
+        next_load[:] = NEVER
+        next_load.flush()
+        del next_load
         progress = np.memmap(self.ram_dir / "progress.bin", dtype=np.int64, mode="r+")
         progress[:] = -1
         progress.flush()
@@ -618,6 +630,7 @@ class NodeCache:
     def _control_layout(self) -> list[tuple[str, Any, int]]:
         return [
             ("flags.bin", np.uint8, self.num_shards),
+            ("next_load.bin", np.int64, self.num_shards),
             ("control.bin", np.int64, 4),
             ("progress.bin", np.int64, self.ranks_per_node),
             ("counters.bin", np.int64, (self.ranks_per_node + 1) * len(COUNTERS)),
@@ -644,6 +657,8 @@ class NodeCache:
 
     def _open_control(self) -> None:
         self._flags = np.memmap(self.ram_dir / "flags.bin", dtype=np.uint8, mode="r+")
+        # Per shard, the progress ticket of the step of its next load that the stager has not executed.
+        self._next_load = np.memmap(self.ram_dir / "next_load.bin", dtype=np.int64, mode="r+")
         self._control = np.memmap(self.ram_dir / "control.bin", dtype=np.int64, mode="r+")
         self._progress = np.memmap(self.ram_dir / "progress.bin", dtype=np.int64, mode="r+")
         self._counters = np.memmap(self.ram_dir / "counters.bin", dtype=np.int64, mode="r+").reshape(
@@ -672,6 +687,7 @@ class NodeCache:
         self._stop = threading.Event()
         self._staged = threading.Condition()
         self._staged_epoch = -1
+        self._stalled_on: int | None = None
         self._warned = set()
         self._owner_pid = None
         self._attach()
@@ -700,22 +716,40 @@ class NodeCache:
         """
         self._progress[self.local_rank] = progress_ticket(epoch, steps_done)
 
+    @staticmethod
+    def _staged_tier(flags: int) -> str | None:
+        if flags & FLAG_RAM:
+            return "ram"
+        if flags & FLAG_LOCAL:
+            return "local"
+        return None
+
     def _resolve(self, shard: int) -> str:
-        """The tier holding ``shard`` now: ram, local, or source; waits while it is being staged."""
+        """The tier holding ``shard`` now: ram, local, or source; waits while it is being staged.
+
+        It waits while the stager has not planned this rank's epoch yet, while the shard's load is in the
+        stager's open window, or while its next load is for a step this rank has reached (the plan serves
+        that access from a tier). The stager writes a shard's flags before its next load and an epoch's
+        next loads before publishing the epoch; read here in the opposite order, so a load that finishes
+        between the reads is seen.
+        """
         if not 0 <= shard < self.num_shards:
             raise KaisokuError(f"shard {shard} is outside 0..{self.num_shards - 1}")
         deadline: float | None = None
         delay = 0.001
         while True:
-            flags = int(self._flags[shard])
-            if flags & FLAG_RAM:
-                return "ram"
-            if flags & FLAG_LOCAL:
-                return "local"
+            tier = self._staged_tier(int(self._flags[shard]))
+            if tier is not None:
+                return tier
             running = int(self._control[_STATE_SLOT]) == _STATE_RUNNING
-            my_epoch = int(self._progress[self.local_rank]) >> _EPOCH_SHIFT
-            planning_behind = int(self._control[_EPOCH_SLOT]) < my_epoch
-            if not running or not (flags & FLAG_PENDING or planning_behind):
+            mine = int(self._progress[self.local_rank])
+            planning_behind = int(self._control[_EPOCH_SLOT]) < mine >> _EPOCH_SHIFT
+            due = mine >= 0 and int(self._next_load[shard]) <= mine
+            flags = int(self._flags[shard])
+            tier = self._staged_tier(flags)
+            if tier is not None:
+                return tier
+            if not running or not (flags & FLAG_PENDING or planning_behind or due):
                 return "source"
             if deadline is None:
                 deadline = time.monotonic() + self.wait_timeout
@@ -852,6 +886,23 @@ class NodeCache:
                 self._staged.wait(remaining)
         return self._staged_epoch >= epoch
 
+    def wait_stalled(self, timeout: float = 60.0) -> int | None:
+        """Block until the stager can do nothing more without reader progress; the ticket it waits for.
+
+        The ticket (see :func:`progress_ticket`) is the progress every rank of the node must report with
+        :meth:`mark_progress` before the stager's next eviction may run. None when the stager finished or
+        stopped first, when there is none (not local rank 0, or both capacities 0), or after ``timeout``
+        seconds.
+        """
+        deadline = time.monotonic() + timeout
+        with self._staged:
+            while self._stalled_on is None and self._thread is not None and self._thread.is_alive():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._staged.wait(remaining)
+            return self._stalled_on
+
     def _stage(
         self,
         trace_of_epoch: Callable[[int, int], Trace],
@@ -886,6 +937,7 @@ class NodeCache:
         finally:
             self._control[_STATE_SLOT] = state
             np.bitwise_and(self._flags, 0xFF & ~FLAG_PENDING, out=self._flags)
+            self._next_load[:] = NEVER
             with self._staged:
                 self._staged.notify_all()
 
@@ -917,10 +969,13 @@ class NodeCache:
     ) -> bool:
         """Plan ``epoch`` for every staging tier and execute the plans; False if the cache is closing.
 
-        The plan runs in windows: from the current action up to the next eviction whose gate is still
-        closed. Only the loads of the open window are flagged pending, so a reader waits only for loads
-        that need no further progress from any reader (no wait can close a cycle); a shard whose load lies
-        beyond the window is read from the source if a reader needs it first.
+        Before readers see the epoch, every shard's next load is published (the ticket of its step), so a
+        reader that has reached that step waits for the load instead of reading the source: everything
+        the plan executes before that load is gated on progress up to that step at most. The plan runs
+        in windows: from the current action up to the next eviction whose gate is still closed. The loads
+        of the open window are also flagged pending, so a reader ahead of its reported progress waits for
+        them too (they need no further progress from any reader); a shard whose load lies beyond both is
+        read from the source if a reader ahead of its progress needs it first.
         """
         capacities = {"local": self.local_capacity, "ram": self.ram_capacity}
         tiers = [t for t in ("local", "ram") if capacities[t] > 0 and self._tier_on(t)]
@@ -934,17 +989,20 @@ class NodeCache:
         # Per position: local-tier actions first, so a RAM load can copy the shard just written locally.
         merged.sort(key=lambda item: item[:3])
         actions = [(tier, action) for *_, tier, action in merged]
+        loads = self._publish_next_loads(epoch, actions, 0, set())
         pending: dict[int, int] = {}
         window_end = 0
-        self._control[_EPOCH_SLOT] = epoch
         for index, (tier, action) in enumerate(actions):
             if self._stop.is_set():
                 return False
             if index >= window_end:
                 if action.kind == "evict" and self._tier_on(tier):
+                    # Readers of this epoch must see it before the stager waits for their progress.
+                    self._control[_EPOCH_SLOT] = epoch
                     if not self._wait_progress(self._gate(epoch, action, last_use)):
                         return False
                 window_end = self._open_window(actions, index, epoch, last_use, resident, pending)
+                self._control[_EPOCH_SLOT] = epoch
             if not self._tier_on(tier):
                 continue
             if action.kind == "evict":
@@ -952,6 +1010,7 @@ class NodeCache:
                 del resident[tier][action.shard]
             elif action.kind == "load":
                 pending[action.shard] -= 1
+                loads[action.shard].popleft()
                 if self._load(tier, action.shard, resident, stager_row):
                     resident[tier][action.shard] = None
                 else:
@@ -964,10 +1023,33 @@ class NodeCache:
                             pending[later.shard] = pending.get(later.shard, 0) + 1
                     for shard in stale | set(pending):
                         self._set_flags(shard, resident, pending)
+                    loads = self._publish_next_loads(epoch, actions, index + 1, set(loads))
                     continue
             self._set_flags(action.shard, resident, pending)
+            if action.kind == "load":
+                # After the flags: a reader that sees the next load moved on also sees the shard staged.
+                queue = loads[action.shard]
+                self._next_load[action.shard] = queue[0] if queue else NEVER
             self.stager_log.append((epoch, tier, action.event()))
+        self._control[_EPOCH_SLOT] = epoch
         return True
+
+    def _publish_next_loads(
+        self, epoch: int, actions: Sequence[tuple[str, StagingAction]], start: int, previous: set[int]
+    ) -> dict[int, deque[int]]:
+        """Per shard, the tickets of its loads in ``actions[start:]`` (tiers on); the first one published.
+
+        Shards in ``previous`` that have no load left are published as never loaded again.
+        """
+        loads: dict[int, deque[int]] = {}
+        for tier, action in actions[start:]:
+            if action.kind == "load" and self._tier_on(tier):
+                loads.setdefault(action.shard, deque()).append(progress_ticket(epoch, action.step))
+        for shard in previous - set(loads):
+            self._next_load[shard] = NEVER
+        for shard, tickets in loads.items():
+            self._next_load[shard] = tickets[0]
+        return loads
 
     def _open_window(
         self,
@@ -1016,14 +1098,21 @@ class NodeCache:
 
     def _wait_progress(self, gate: int) -> bool:
         """Wait until every rank of the node has passed ticket ``gate``; False if the cache is closing."""
-        if gate < 0:
+        if gate < 0 or int(np.asarray(self._progress).min()) > gate:
             return True
-        delay = 0.001
-        while int(np.asarray(self._progress).min()) <= gate:
-            if self._stop.wait(delay):
-                return False
-            delay = min(delay * 2, 0.02)
-        return True
+        with self._staged:
+            self._stalled_on = gate + 1
+            self._staged.notify_all()
+        try:
+            delay = 0.001
+            while int(np.asarray(self._progress).min()) <= gate:
+                if self._stop.wait(delay):
+                    return False
+                delay = min(delay * 2, 0.02)
+            return True
+        finally:
+            with self._staged:
+                self._stalled_on = None
 
     def _load(self, tier: str, shard: int, resident: dict[str, dict[int, None]], stager_row: int) -> bool:
         """Copy one whole shard into ``tier``; False (after one warning) if the tier cannot take it.

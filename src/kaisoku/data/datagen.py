@@ -37,6 +37,8 @@ CLASSES: tuple[str, ...] = (
 )
 
 _MANIFEST = "manifest.json"
+#: Bumped whenever the drawing changes, so that a cached demo set from an older version is not reused.
+GENERATOR_VERSION = 2
 
 
 def _polygon(cx: float, cy: float, radius: float, angle: float, corners: int, inner: float = 0.0) -> list:
@@ -56,11 +58,11 @@ def draw_sample(label: int, size: int, rng: np.random.Generator) -> np.ndarray:
     background = tuple(int(v) for v in rng.integers(0, 256, 3))
     foreground = tuple(int(v) for v in rng.integers(0, 256, 3))
     # Keep the shape visible: push the foreground away from the background where they are close.
-    if sum(abs(a - b) for a, b in zip(background, foreground)) < 160:
+    if sum(abs(a - b) for a, b in zip(background, foreground)) < 240:
         foreground = tuple(255 - v for v in background)
     image = Image.new("RGB", (big, big), background)
     draw = ImageDraw.Draw(image)
-    radius = big * rng.uniform(0.18, 0.36)
+    radius = big * rng.uniform(0.22, 0.38)
     cx = big * rng.uniform(0.3, 0.7)
     cy = big * rng.uniform(0.3, 0.7)
     angle = rng.uniform(0, 2 * math.pi)
@@ -101,7 +103,7 @@ def draw_sample(label: int, size: int, rng: np.random.Generator) -> np.ndarray:
                     x0, y0 = cx - radius + i * cell, cy - radius + j * cell
                     draw.rectangle((x0, y0, x0 + cell, y0 + cell), fill=foreground)
     small = np.asarray(image.resize((size, size), Image.Resampling.BILINEAR), dtype=np.float32)
-    noise = rng.normal(0.0, rng.uniform(8, 28), small.shape)
+    noise = rng.normal(0.0, rng.uniform(4, 16), small.shape)
     return np.clip(small + noise, 0, 255).astype(np.uint8)
 
 
@@ -196,7 +198,7 @@ def ensure_demo_dataset(
 ) -> Path:
     """The demo dataset under ``cache_dir``, generated on first use; safe when several ranks ask at once."""
     cache = Path(cache_dir).expanduser()
-    root = cache / f"shapes-{count}-{size}px-seed{seed}"
+    root = cache / f"shapes-v{GENERATOR_VERSION}-{count}-{size}px-seed{seed}"
     with _locked(cache / ".datagen.lock"):
         if not (root / _MANIFEST).exists():
             if root.exists():

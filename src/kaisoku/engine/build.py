@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
@@ -22,12 +23,14 @@ from kaisoku.data.shuffle import ShuffleSpec
 from kaisoku.data.transforms import IMAGENET_MEAN, IMAGENET_STD, AugmentSpec, collate
 from kaisoku.distributed import env
 from kaisoku.distributed.data_parallel import BucketPlan, wrap_ddp
+from kaisoku.distributed.mesh import ParallelLayout
+from kaisoku.engine import hybrid
 from kaisoku.engine.checkpoint import CheckpointManager
 from kaisoku.engine.metrics import MetricsLogger, print_summary
 from kaisoku.engine.trainer import Trainer, TrainSettings, steps_for
 from kaisoku.errors import ConfigError
 from kaisoku.models.zoo import build_model
-from kaisoku.optim.factory import build_optimizer, build_scheduler
+from kaisoku.optim.factory import build_optimizer, build_optimizer_from_named, build_scheduler
 
 
 def dataset_root(cfg: Config) -> Path:
@@ -64,9 +67,16 @@ class DataParts:
     std: tuple[float, ...]
 
 
-def build_data(cfg: Config, world: env.World, device: torch.device) -> DataParts:
-    """Loaders for a packed dataset (shuffles, cache, exchange) or an image-folder tree (plain sampler)."""
+def build_data(
+    cfg: Config, world: env.World, device: torch.device, *, shard: tuple[int, int] | None = None
+) -> DataParts:
+    """Loaders for a packed dataset (shuffles, cache, exchange) or an image-folder tree (plain sampler).
+
+    ``shard`` is ``(shard, shards)`` for the training sampler when it is not ``(rank, world size)``: the
+    replica index and count under hybrid parallelism. Validation always shards over every rank.
+    """
     root = dataset_root(cfg)
+    train_rank, train_world = shard if shard is not None else (world.rank, world.world_size)
     train_spec = AugmentSpec(size=cfg.data.image_size, train=True, scale=(cfg.data.crop_scale_min, 1.0))
     val_spec = AugmentSpec(size=cfg.data.image_size, train=False)
     workers = cfg.data.workers
@@ -83,8 +93,8 @@ def build_data(cfg: Config, world: env.World, device: torch.device) -> DataParts
         sampler = EpochBatchSampler(
             len(train_files),
             global_batch=cfg.data.global_batch,
-            rank=world.rank,
-            world_size=world.world_size,
+            rank=train_rank,
+            world_size=train_world,
             seed=cfg.train.seed,
             micro_batches=cfg.train.grad_accum,
         )
@@ -116,8 +126,8 @@ def build_data(cfg: Config, world: env.World, device: torch.device) -> DataParts
     loader = ShardLoader(
         train_set,
         global_batch=cfg.data.global_batch,
-        rank=world.rank,
-        world_size=world.world_size,
+        rank=train_rank,
+        world_size=train_world,
         ranks_per_node=world.local_world_size,
         seed=cfg.train.seed,
         shuffle=shuffle,
@@ -167,10 +177,17 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
     dataset's index and building the model and optimizer.
     """
     device = env.pick_device(cfg.train.device, world)
+    # Hybrid (pipeline / switch-parallel) layouts are checked against the world before anything starts.
+    switch_schedule = hybrid.resolve_schedule(cfg, world.world_size) if cfg.parallel.hybrid else None
+    if switch_schedule is None and cfg.parallel.dp != -1:
+        ParallelLayout.resolve(world.world_size, dp=cfg.parallel.dp, pp=cfg.parallel.pp)
     pg_init = env.ProcessGroupInit(world, device, cfg.dist.timeout, background=cfg.dist.eager_init)
     build_start = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
-    data = build_data(cfg, world, device)
+    shard = None
+    if switch_schedule is not None:
+        shard = hybrid.data_shard(world.rank, switch_schedule.layout_at(0), world.local_world_size)
+    data = build_data(cfg, world, device, shard=shard)
     model = build_model(
         cfg.model.name,
         num_classes=cfg.model.num_classes or data.num_classes,
@@ -179,10 +196,14 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
         bn_momentum=cfg.model.bn_momentum,
         in_channels=data.in_channels,
     ).to(device)
-    channels_last = device.type == "cuda"
+    if switch_schedule is not None:
+        hybrid.check_model_stages(model, switch_schedule, cfg.parallel.virtual_stages)
+    # Pipeline stages send plain contiguous activations: channels-last only on the DDP path.
+    channels_last = device.type == "cuda" and switch_schedule is None
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = build_optimizer(model, cfg.optim)
+    # Under hybrid parallelism each rank's optimizer covers its stage only; the engine builds it.
+    optimizer = build_optimizer(model, cfg.optim) if switch_schedule is None else None
     build_seconds = time.perf_counter() - build_start
     wait_start = time.perf_counter()
     pg_init.wait()
@@ -193,7 +214,7 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
             run_token=env.shared_token(),
             exchange_group=env.cpu_collective_group() if data.train_loader.needs_exchange else None,
         )
-    if world.distributed:
+    if world.distributed and switch_schedule is None:
         plan = BucketPlan(
             mode=cfg.dist.buckets,
             first_mb=cfg.dist.first_bucket_mb,
@@ -228,7 +249,30 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
     total_steps = steps_for(cfg.train.epochs, steps_per_epoch, cfg.train.max_steps)
     # The schedule spans the configured epochs; max_steps only stops early, so that a run stopped at
     # max_steps and resumed follows the same learning-rate curve as one that never stopped.
-    scheduler = build_scheduler(optimizer, cfg.sched, steps_per_epoch=steps_per_epoch, total_steps=horizon)
+    make_scheduler = functools.partial(
+        build_scheduler, cfg=cfg.sched, steps_per_epoch=steps_per_epoch, total_steps=horizon
+    )
+    engine = None
+    if switch_schedule is not None:
+        engine = hybrid.HybridEngine(
+            model,
+            schedule=switch_schedule,
+            options=hybrid.hybrid_options(cfg.parallel),
+            loss_fn=functools.partial(
+                torch.nn.functional.cross_entropy, label_smoothing=cfg.train.label_smoothing
+            ),
+            optimizer_factory=functools.partial(build_optimizer_from_named, cfg=cfg.optim),
+            scheduler_factory=make_scheduler,
+            reshard=functools.partial(hybrid.reshard_sampler, data.train_sampler),
+            device=device,
+            ranks_per_node=world.local_world_size,
+            global_batch=cfg.data.global_batch,
+            input_shape=(data.in_channels, cfg.data.image_size, cfg.data.image_size),
+        )
+        optimizer, scheduler = engine.optimizer, engine.scheduler
+    else:
+        assert optimizer is not None
+        scheduler = make_scheduler(optimizer)
     run_dir = Path(cfg.run_dir).expanduser()
     metrics = MetricsLogger(
         run_dir,
@@ -263,6 +307,7 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
         checkpoints=CheckpointManager(run_dir / "checkpoints", keep=cfg.checkpoint.keep),
         config_dict=to_dict(cfg),
         preconditioner=preconditioner,
+        hybrid=engine,
     )
     metrics.log(
         {
@@ -273,6 +318,7 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
             "process_group_seconds": pg_init.seconds,
             "process_group_wait_seconds": pg_wait_seconds,
             "eager_init": cfg.dist.eager_init,
+            **({"parallel": str(switch_schedule)} if switch_schedule is not None else {}),
         }
     )
     if resume:

@@ -7,7 +7,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -17,6 +17,9 @@ from kaisoku.distributed import env
 from kaisoku.engine.checkpoint import CheckpointManager
 from kaisoku.engine.metrics import MetricsLogger, peak_memory_mib
 from kaisoku.errors import KaisokuError
+
+if TYPE_CHECKING:
+    from kaisoku.engine.hybrid import HybridEngine
 
 
 class EpochSampler(Protocol):
@@ -105,6 +108,7 @@ class Trainer:
         config_dict: dict[str, Any] | None = None,
         preconditioner: Preconditioner | None = None,
         on_step: Callable[[int], None] | None = None,
+        hybrid: HybridEngine | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -120,6 +124,8 @@ class Trainer:
         self.config_dict = config_dict or {}
         self.preconditioner = preconditioner
         self.on_step = on_step
+        # Pipeline / switch-parallel training: the engine owns the stages, their optimizer and scheduler.
+        self.hybrid = hybrid
         self.state = TrainState()
         self.criterion = nn.CrossEntropyLoss(label_smoothing=settings.label_smoothing)
         if settings.precision == "fp16" and device.type != "cuda":
@@ -142,10 +148,19 @@ class Trainer:
         return getattr(self.model, "module", self.model)
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs to continue exactly."""
+        """Everything a resumed run needs to continue exactly.
+
+        Under hybrid parallelism the model and optimizer state are gathered from the stages (a collective:
+        every rank calls this) in the layout-independent form, marked by a ``layout`` entry.
+        """
+        if self.hybrid is not None:
+            full = self.hybrid.full_state_dict()
+            model_state, optimizer_state = full["model"], full["optimizer"]
+        else:
+            model_state, optimizer_state = self.unwrapped.state_dict(), self.optimizer.state_dict()
         state: dict[str, Any] = {
-            "model": self.unwrapped.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "step": self.state.step,
@@ -160,13 +175,29 @@ class Trainer:
         }
         if self.preconditioner is not None:
             state["preconditioner"] = self.preconditioner.state_dict()
+        if self.hybrid is not None:
+            state["layout"] = full["layout"]
         return state
 
     def load_state_dict(self, state: dict[str, Any], *, source: str = "checkpoint") -> None:
-        """Restore a :meth:`state_dict`; a mismatch names ``source``."""
+        """Restore a :meth:`state_dict`; a mismatch names ``source``.
+
+        A checkpoint in the layout-independent form (written under hybrid parallelism) loads into any
+        layout and into DDP; a DDP checkpoint loads into a hybrid run.
+        """
+        independent = "layout" in state
         try:
-            self.unwrapped.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            if self.hybrid is not None:
+                self.hybrid.load_state(state["model"], state["optimizer"], int(state["step"]))
+            elif independent:
+                from kaisoku.distributed.pipeline import load_named_optimizer_state
+                from kaisoku.models.blocks import state_names
+
+                self.unwrapped.load_state_dict(state["model"])
+                load_named_optimizer_state(self.optimizer, state["optimizer"], state_names(self.unwrapped))
+            else:
+                self.unwrapped.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as error:
             first = str(error).strip().splitlines()[0]
             raise KaisokuError(f"{source} does not match this model or optimizer: {first}") from None
@@ -174,7 +205,13 @@ class Trainer:
             self.train_sampler.load_state_dict(state["data"]["sampler"])
         except KaisokuError as error:
             raise KaisokuError(f"{source}: {error}") from None
-        self.scheduler.load_state_dict(state["scheduler"])
+        if independent and self.hybrid is None:
+            from kaisoku.engine.hybrid import continue_schedule
+
+            # The saved scheduler belongs to one stage's optimizer; the curve only needs the step.
+            continue_schedule(self.scheduler, int(state["step"]))  # type: ignore[arg-type]
+        elif self.hybrid is None:
+            self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if self.preconditioner is not None and "preconditioner" in state:
@@ -188,7 +225,12 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Rank 0 writes a checkpoint; every rank waits so that none runs ahead of a failed save."""
-        if self.checkpoints is not None and self.world.is_main:
+        if self.checkpoints is not None and self.hybrid is not None:
+            state = self.state_dict()  # gathers the stages: every rank takes part
+            if self.world.is_main:
+                path = self.checkpoints.save(state)
+                self.metrics.message(f"checkpoint {path}")
+        elif self.checkpoints is not None and self.world.is_main:
             path = self.checkpoints.save(self.state_dict())
             self.metrics.message(f"checkpoint {path}")
         env.barrier()
@@ -211,6 +253,8 @@ class Trainer:
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step over ``micro_batches``; returns the mean loss as a device tensor (no sync)."""
+        if self.hybrid is not None:
+            return self._hybrid_step(micro_batches)
         self.model.train()
         total = torch.zeros((), device=self.device)
         count = len(micro_batches)
@@ -236,11 +280,37 @@ class Trainer:
         self.scheduler.step()
         return total
 
+    def _hybrid_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One step of the pipeline / hybrid engine on this replica's batch (its micro-batches joined)."""
+        assert self.hybrid is not None
+        self.model.train()
+        images = torch.cat([images for images, _ in micro_batches])
+        labels = torch.cat([labels for _, labels in micro_batches])
+        images, labels = self._prepare(images, labels)
+        loss = self.hybrid.train_step(images, labels, self._autocast())
+        self.scheduler.step()
+        return torch.tensor(loss, device=self.device)
+
+    def _switch_layout_if_due(self) -> None:
+        """Change the parallel layout where the switch schedule says so (every rank at the same step)."""
+        assert self.hybrid is not None
+        layout = self.hybrid.switch_for(self.state.epoch, self.state.step)
+        if layout is None:
+            return
+        self.optimizer, self.scheduler = self.hybrid.optimizer, self.hybrid.scheduler
+        self._batches = None  # the sampler now reads the new dp axis's shards, from this step on
+        self.metrics.log(
+            {"step": self.state.step, "epoch": self.state.epoch, "event": "switch", "layout": str(layout)}
+        )
+        self.metrics.message(f"step {self.state.step}: switched to parallel layout {layout}")
+
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Loss and top-1 accuracy over the whole validation set, all-reduced over ranks."""
         if self.val_loader is None:
             return {}
+        if self.hybrid is not None:
+            self.hybrid.gather()  # every rank evaluates the whole model on its share of the samples
         self.model.eval()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         correct = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -296,6 +366,8 @@ class Trainer:
         window_wait = 0.0
         self.metrics.advance(self.state.step)
         while self.state.step < until_step:
+            if self.hybrid is not None:
+                self._switch_layout_if_due()
             wait_start = time.perf_counter()
             micro = self._next_micro_batches()
             if micro is None:

@@ -18,6 +18,10 @@ _RESNETS: dict[str, tuple[type[BasicBlock] | type[Bottleneck], list[int]]] = {
 }
 
 
+#: Stem name -> (kernel, stride) of the first convolution.
+STEMS: dict[str, tuple[int, int]] = {"imagenet": (7, 2), "small": (3, 1), "compact": (3, 2)}
+
+
 def build_resnet(
     name: str,
     *,
@@ -27,18 +31,24 @@ def build_resnet(
     bn_momentum: float = 0.1,
     in_channels: int = 3,
 ) -> ResNet:
-    """A torchvision ResNet; ``stem="small"`` swaps the 7x7/2 conv and max-pool for a 3x3/1 conv.
+    """A torchvision ResNet with a choice of stem for the input size.
+
+    ``stem``: ``imagenet`` (7x7/2 conv + 3x3/2 max-pool, for 224 px), ``small`` (3x3/1 conv, no pool:
+    CIFAR-style, full resolution into layer1) or ``compact`` (3x3/2 conv, no pool: half resolution into
+    layer1, a quarter of ``small``'s cost, for images of 24 to 64 px).
 
     ``zero_init_residual`` starts the last BatchNorm gamma of each residual block at zero (each block
     begins as the identity), a standard part of the large-batch recipe.
     """
     block, layers = _RESNETS[name]
     model = ResNet(block, layers, num_classes=num_classes, zero_init_residual=zero_init_residual)
-    if stem == "small" or in_channels != 3:
-        kernel, stride = (3, 1) if stem == "small" else (7, 2)
+    if stem not in STEMS:
+        raise ConfigError(f"model.stem: unknown stem '{stem}'; choose one of: {', '.join(STEMS)}")
+    if stem != "imagenet" or in_channels != 3:
+        kernel, stride = STEMS[stem]
         model.conv1 = nn.Conv2d(in_channels, 64, kernel, stride, kernel // 2, bias=False)
         nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
-        if stem == "small":
+        if stem != "imagenet":
             model.maxpool = nn.Identity()
     for module in model.modules():
         if isinstance(module, nn.BatchNorm2d):
@@ -68,6 +78,10 @@ class SmallCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Class logits for a batch of images."""
         return self.head(self.features(x))
+
+    def ordered_blocks(self) -> list[nn.Module]:
+        """The blocks in execution order, where a pipeline may be cut: each conv block, then the head."""
+        return [*self.features, self.head]
 
 
 def _resnet_builder(name: str) -> Callable[..., nn.Module]:

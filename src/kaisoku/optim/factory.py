@@ -13,7 +13,7 @@ The training loop uses it as::
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeAlias
 
 import torch
@@ -52,10 +52,26 @@ def param_groups(
     given as ``(name, tensor)`` pairs, so each group carries ``param_names``. Empty groups are left out and
     frozen parameters (``requires_grad=False``) are skipped.
     """
+    return named_param_groups(
+        model.named_parameters(),
+        weight_decay=weight_decay,
+        no_decay_bn_bias=no_decay_bn_bias,
+        exclude=exclude,
+    )
+
+
+def named_param_groups(
+    named_params: Iterable[tuple[str, Tensor]],
+    *,
+    weight_decay: float,
+    no_decay_bn_bias: bool = True,
+    exclude: ExcludeT = (),
+) -> list[dict[str, Any]]:
+    """:func:`param_groups` over ``(name, parameter)`` pairs, e.g. one pipeline stage's share of a model."""
     excluded_by_user = _excluder(exclude)
     decay: list[tuple[str, Tensor]] = []
     no_decay: list[tuple[str, Tensor]] = []
-    for name, param in model.named_parameters():
+    for name, param in named_params:
         if not param.requires_grad:
             continue
         skip = (no_decay_bn_bias and param.ndim <= 1) or excluded_by_user(name, param)
@@ -84,6 +100,8 @@ def _lars(groups: list[dict[str, Any]], cfg: OptimConfig) -> Optimizer:
         eta=cfg.eta,
         eps=cfg.eps,
         trust_clip=cfg.trust_clip,
+        # A config without the field (today's) keeps the eager update.
+        compile=bool(getattr(cfg, "compile", False)),
     )
 
 
@@ -129,6 +147,23 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, *, exclude: ExcludeT = (
     )
     if not groups:
         raise ConfigError("the model has no trainable parameters for the optimizer")
+    return OPTIMIZERS[cfg.name](groups, cfg)
+
+
+def build_optimizer_from_named(
+    named_params: Iterable[tuple[str, Tensor]], cfg: OptimConfig, *, exclude: ExcludeT = ()
+) -> Optimizer:
+    """:func:`build_optimizer` over ``(name, parameter)`` pairs named as in the whole model.
+
+    A pipeline stage builds its optimizer this way from its own parameters; the groups and
+    hyper-parameters are those the whole model would get.
+    """
+    check_optim_config(cfg)
+    groups = named_param_groups(
+        named_params, weight_decay=cfg.weight_decay, no_decay_bn_bias=cfg.no_decay_bn_bias, exclude=exclude
+    )
+    if not groups:
+        raise ConfigError("the parameters handed to the optimizer include none that is trainable")
     return OPTIMIZERS[cfg.name](groups, cfg)
 
 

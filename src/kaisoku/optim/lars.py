@@ -46,17 +46,20 @@ def _check_non_negative(owner: str, name: str, value: float) -> None:
         raise ValueError(f"{owner}: {name} must be >= 0 (got {value})")
 
 
-def _axpy(dst: list[Tensor], src: list[Tensor], coeff: Coeff) -> None:
-    """``dst[i] += coeff[i] * src[i]`` (or ``coeff * src[i]``) in one ``_foreach`` call."""
+def _axpy(dst: list[Tensor], src: list[Tensor], coeff: Coeff, value: float | Tensor = 1.0) -> None:
+    """``dst[i] += value * coeff[i] * src[i]`` (or ``value * coeff * src[i]``) in one ``_foreach`` call."""
     if not dst:
         return
     if isinstance(coeff, list):
-        torch._foreach_addcmul_(dst, src, coeff)
-    elif isinstance(coeff, Tensor):
+        if isinstance(value, Tensor):  # compiled path: the products fuse there
+            coeff = list(torch._foreach_mul(coeff, value))
+            value = 1.0
+        torch._foreach_addcmul_(dst, src, coeff, value=value)
+    elif isinstance(coeff, Tensor) or isinstance(value, Tensor):
         # A tensor learning rate (compiled path): the product is fused there, never materialised.
-        torch._foreach_add_(dst, torch._foreach_mul(src, coeff))
+        torch._foreach_add_(dst, torch._foreach_mul(src, coeff * value))
     else:
-        torch._foreach_add_(dst, src, alpha=coeff)
+        torch._foreach_add_(dst, src, alpha=value * coeff)
 
 
 def trust_ratios(
@@ -71,14 +74,15 @@ def trust_ratios(
 ) -> Tensor:
     """LARS trust ratios ``eta * ||w|| / (||g|| + wd * ||w|| + eps)`` for stacked norms, 1 where a norm is 0.
 
-    With ``trust_clip`` (LARC) the ratio becomes ``min(ratio / lr, 1)``, so that the layer's learning rate
-    ``lr * ratio`` never exceeds the global one.
+    With ``trust_clip`` (LARC's clip mode, as in apex and timm) the ratio becomes ``min(ratio / lr, 1)``: the
+    layer's learning rate is ``min(eta * ||w|| / (...), lr)`` and never exceeds the global one.
     """
     denominator = update_norms.add(weight_norms, alpha=weight_decay).add_(eps)
     ratio = weight_norms.mul(eta).div_(denominator)
     if trust_clip:
         ratio = ratio.div_(lr).clamp_(max=1.0)
-    usable = (weight_norms > 0) & (update_norms > 0)
+    # Both norms positive; norms are never negative, so the smaller one decides.
+    usable = torch.minimum(weight_norms, update_norms) > 0
     return torch.where(usable, ratio, 1.0)
 
 
@@ -155,7 +159,8 @@ class LARS(_LayerwiseOptimizer):
         weight_decay: L2 weight decay of adapted parameters.
         eta: trust coefficient, > 0.
         eps: denominator epsilon of the trust ratio.
-        trust_clip: LARC: clip the trust ratio to ``min(ratio / lr, 1)``.
+        trust_clip: LARC clipping: the trust ratio becomes ``min(ratio / lr, 1)``, so a layer's learning
+            rate is ``min(eta * ||w|| / (...), lr)``.
         nesterov: Nesterov momentum.
         momentum_correction: keep the buffer free of the learning rate (see above).
         adaptation: apply the trust ratio; False gives momentum SGD.
@@ -306,7 +311,13 @@ def lars_update(
 
     all_bufs = bufs + bufs_excluded
     if momentum != 0:
-        torch._foreach_mul_(all_bufs, momentum)
+        # On CPU a Python scalar is converted to a tensor once per tensor of the list; one 0-dim tensor is
+        # not. On accelerators the scalar goes straight into the fused kernel.
+        if all_bufs[0].device.type == "cpu":
+            dtype = torch.promote_types(all_bufs[0].dtype, torch.float32)
+            torch._foreach_mul_(all_bufs, torch.scalar_tensor(momentum, dtype=dtype))
+        else:
+            torch._foreach_mul_(all_bufs, momentum)
     else:
         torch._foreach_zero_(all_bufs)
     if trust is None:
@@ -323,17 +334,14 @@ def lars_update(
         return
     # Nesterov: w -= outer * (coeff_grad * g + coeff_weight * w + momentum * buf); the weight term reads
     # w, so it goes first.
+    if weight_decay != 0:
+        _axpy(params, params, coeff_weight, -outer)
     if trust is None:
-        if weight_decay != 0:
-            _axpy(params, params, -outer * coeff_weight)  # type: ignore[operator]
-        _axpy(all_params, grads + grads_excluded, -outer * inner)
+        _axpy(all_params, grads + grads_excluded, inner, -outer)
     else:
-        scaled = trust.mul(-outer)
-        if weight_decay != 0:
-            _axpy(params, params, list(scaled.mul(weight_decay).unbind(0)))
-        _axpy(params, grads, list(scaled.unbind(0)))
-        _axpy(params_excluded, grads_excluded, -outer * inner)
-    _axpy(all_params, all_bufs, -outer * momentum)
+        _axpy(params, grads, coeff_grad, -outer)
+        _axpy(params_excluded, grads_excluded, inner, -outer)
+    _axpy(all_params, all_bufs, momentum, -outer)
 
 
 class LAMB(_LayerwiseOptimizer):

@@ -115,7 +115,10 @@ def _progress(step: int, start: int, total: int) -> float:
 
 
 class WarmupSchedule(LambdaLR):
-    """A ``LambdaLR`` whose multiplier is a schedule object; its parameters travel in ``state_dict()``.
+    """A ``LambdaLR`` driven by one schedule object for every parameter group.
+
+    ``state_dict()`` holds plain values only (step count, learning rates); the curve comes from the
+    config when the scheduler is rebuilt, and ``load_state_dict`` then resumes it at the saved step.
 
     Args:
         optimizer: the optimizer whose groups' learning rates are driven; each group's initial ``lr`` is

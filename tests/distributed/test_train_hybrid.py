@@ -1,0 +1,357 @@
+"""Hybrid data x pipeline parallelism and switch-parallel from the trainer (``parallel.*``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from kaisoku.config import Config, apply_override, validate
+from kaisoku.data.datagen import generate
+from kaisoku.distributed.env import World
+from kaisoku.distributed.pipeline import named_optimizer_state
+from kaisoku.engine.build import build_trainer
+from kaisoku.engine.hybrid import continue_schedule, named_from_torch_optimizer_state
+from kaisoku.errors import ConfigError
+from kaisoku.models.blocks import state_names
+from kaisoku.optim.factory import build_optimizer, build_optimizer_from_named, build_scheduler, warmup_steps
+from kaisoku.optim.schedules import schedule_factor
+from tests.dist_harness import run_ranks
+
+# 80 samples / global batch 16 = 5 steps per epoch.
+STEPS_PER_EPOCH = 5
+
+
+def _config(data: Path | str, run_dir: Path | str, **overrides: object) -> Config:
+    cfg = Config(run_dir=str(run_dir))
+    cfg.data.path = str(data)
+    cfg.data.image_size = 16
+    cfg.data.global_batch = 16
+    cfg.data.workers = 0
+    cfg.model.name = "small-cnn"
+    cfg.train.epochs = 2
+    cfg.train.log_every = 1
+    cfg.metrics.progress = False
+    cfg.sched.warmup_epochs = 0.5
+    cfg.optim.lr = 0.05  # fixed here, whatever the default: a few steps that stay finite
+    cfg.parallel.microbatches = 2
+    for key, value in overrides.items():
+        apply_override(cfg, key.replace("__", "."), value)
+    return cfg
+
+
+def _train(
+    rank: int,
+    world_size: int,
+    tmp: Path,
+    data: Path,
+    run_dir: Path,
+    max_steps: int,
+    resume: str,
+    overrides: dict[str, Any],
+) -> dict[str, Any]:
+    cfg = _config(data, run_dir, **overrides)
+    cfg.train.max_steps = max_steps
+    trainer = build_trainer(
+        cfg, World(rank=rank, world_size=world_size, local_world_size=world_size), resume=resume
+    )
+    loaded = {k: v.clone() for k, v in trainer.unwrapped.state_dict().items()}
+    optimizer = named_optimizer_state(trainer.optimizer, state_names(trainer.unwrapped))
+    lr = trainer.optimizer.param_groups[0]["lr"]
+    summary = trainer.fit()
+    trainer.metrics.close()
+    return {
+        "summary": summary,
+        "loaded": loaded,
+        "loaded_optimizer": optimizer,
+        "loaded_lr": lr,
+        "model": {k: v.clone() for k, v in trainer.unwrapped.state_dict().items()},
+        "data_shard": (trainer.train_sampler.rank, trainer.train_sampler.world_size),
+    }
+
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _checkpoint(run_dir: Path, step: int) -> dict[str, Any]:
+    return torch.load(run_dir / "checkpoints" / f"step-{step:08d}.pt", weights_only=True)
+
+
+def _expected_lr(cfg: Config, step: int) -> float:
+    total = round(cfg.train.epochs * STEPS_PER_EPOCH)
+    factor = schedule_factor(
+        cfg.sched.name, total_steps=total, warmup_steps=warmup_steps(cfg.sched, STEPS_PER_EPOCH)
+    )
+    return cfg.optim.lr * factor(step)
+
+
+def assert_states_equal(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert list(actual) == list(expected)
+    for key, value in expected.items():
+        assert torch.equal(actual[key], value), key
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("data") / "shapes", count=80, size=20, val_count=20, workers=1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Multi-rank runs through build_trainer.
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(
+    tiny_data: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[list[dict[str, Any]], Path]:
+    """3 steps of a 2-stage pipeline on 2 ranks (shared by the tests below): each rank's result, the run dir."""
+    tmp = tmp_path_factory.mktemp("pp2")
+    ranks = run_ranks(_train, 2, tmp, tiny_data, tmp / "run", 3, "", {"parallel__pp": 2})
+    return ranks, tmp / "run"
+
+
+@pytest.mark.timeout(180)
+def test_pipeline_of_two_stages_trains_from_the_trainer(
+    pipeline_run: tuple[list[dict[str, Any]], Path],
+) -> None:
+    (first, second), run_dir = pipeline_run
+    assert first["summary"]["steps"] == 3
+    assert torch.isfinite(torch.tensor(first["summary"]["final_loss"]))
+    assert 0.0 <= first["summary"]["val_accuracy"] <= 1.0
+    # Gathered from the two stages, every rank holds the same whole model, and it has trained.
+    assert_states_equal(second["model"], first["model"])
+    assert not torch.equal(first["model"]["head.2.weight"], first["loaded"]["head.2.weight"])
+    assert not torch.equal(first["model"]["features.0.0.weight"], first["loaded"]["features.0.0.weight"])
+    # Both stages read the one replica's whole batch; each rank's optimizer covers its own stage only.
+    assert first["data_shard"] == second["data_shard"] == (0, 1)
+    assert "features.0.0.weight" in first["loaded_optimizer"]["param_groups"][0]["params"]
+    assert all(
+        "features.0" not in name for g in second["loaded_optimizer"]["param_groups"] for name in g["params"]
+    )
+    saved = _checkpoint(run_dir, 3)
+    assert saved["layout"] == "pp2"
+    assert_states_equal(saved["model"], first["model"])
+    start = next(row for row in _metrics(run_dir) if row.get("event") == "start")
+    assert start["parallel"] == "pp2:0-"
+
+
+@pytest.mark.timeout(180)
+def test_switch_from_pipeline_to_data_parallel_mid_run(tmp_path: Path, tiny_data: Path) -> None:
+    run_dir = tmp_path / "run"
+    overrides = {"parallel__switch": "pp2:0-1,dp2:1-"}
+    ranks = run_ranks(_train, 2, tmp_path, tiny_data, run_dir, 0, "", overrides)
+    first, second = ranks
+    assert first["summary"]["steps"] == 2 * STEPS_PER_EPOCH
+    assert torch.isfinite(torch.tensor(first["summary"]["final_loss"]))
+    assert_states_equal(second["model"], first["model"])
+    rows = _metrics(run_dir)
+    switches = [row for row in rows if row.get("event") == "switch"]
+    assert [(row["step"], row["layout"]) for row in switches] == [(STEPS_PER_EPOCH, "dp2")]
+    # After the switch the data follows the dp axis: two replicas, one shard each.
+    assert (first["data_shard"], second["data_shard"]) == ((0, 2), (1, 2))
+    # The learning-rate schedule runs on across the switch, step by step.
+    cfg = _config(tiny_data, run_dir, **overrides)
+    logged = {row["step"]: row["lr"] for row in rows if "lr" in row}
+    assert sorted(logged) == list(range(1, 2 * STEPS_PER_EPOCH + 1))
+    for step, lr in logged.items():
+        assert lr == pytest.approx(_expected_lr(cfg, step), rel=1e-12), step
+    # The end-of-epoch checkpoint was gathered under the pipeline, the last under data parallelism.
+    assert _checkpoint(run_dir, STEPS_PER_EPOCH)["layout"] == "pp2"
+    final = _checkpoint(run_dir, 2 * STEPS_PER_EPOCH)
+    assert final["layout"] == "dp2"
+    assert_states_equal(final["model"], first["model"])
+    # Resumed from the checkpoint taken just before the switch, a run switches and ends the same.
+    before_switch = str(run_dir / "checkpoints" / f"step-{STEPS_PER_EPOCH:08d}.pt")
+    resumed_dir = tmp_path / "resumed"
+    resumed = run_ranks(_train, 2, tmp_path / "r", tiny_data, resumed_dir, 0, before_switch, overrides)
+    assert [row["layout"] for row in _metrics(resumed_dir) if row.get("event") == "switch"] == ["dp2"]
+    assert_states_equal(resumed[0]["model"], first["model"])
+
+
+@pytest.mark.timeout(240)
+def test_checkpoints_move_between_pipeline_and_data_parallel_runs(
+    tmp_path: Path, tiny_data: Path, pipeline_run: tuple[list[dict[str, Any]], Path]
+) -> None:
+    _, pipeline_dir = pipeline_run
+    ddp_dir, back_dir = tmp_path / "dp2", tmp_path / "back"
+    saved = _checkpoint(pipeline_dir, 3)
+    # A pp=2 checkpoint resumes in a plain data-parallel (DDP) run.
+    resumed = run_ranks(
+        _train,
+        2,
+        tmp_path / "b",
+        tiny_data,
+        ddp_dir,
+        5,
+        str(pipeline_dir / "checkpoints" / "step-00000003.pt"),
+        {"parallel__dp": 2},
+    )
+    cfg = _config(tiny_data, ddp_dir)
+    for result in resumed:
+        assert_states_equal(result["loaded"], saved["model"])
+        assert result["loaded_lr"] == pytest.approx(_expected_lr(cfg, 3), rel=1e-12)
+        assert result["summary"]["steps"] == 5
+    momentum = resumed[0]["loaded_optimizer"]["state"]
+    assert sorted(momentum) == sorted(saved["optimizer"]["state"])
+    for name, state in saved["optimizer"]["state"].items():
+        assert torch.equal(momentum[name]["momentum_buffer"], state["momentum_buffer"]), name
+    assert "layout" not in _checkpoint(ddp_dir, 5)
+    # And the DDP checkpoint goes back into a pipeline run.
+    ddp_saved = _checkpoint(ddp_dir, 5)
+    back = run_ranks(
+        _train,
+        2,
+        tmp_path / "c",
+        tiny_data,
+        back_dir,
+        6,
+        str(ddp_dir / "checkpoints" / "step-00000005.pt"),
+        {"parallel__pp": 2},
+    )
+    for result in back:
+        assert_states_equal(result["loaded"], ddp_saved["model"])
+        assert result["summary"]["steps"] == 6
+        assert result["loaded_lr"] == pytest.approx(_expected_lr(cfg, 5), rel=1e-12)
+    assert_states_equal(back[1]["model"], back[0]["model"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input, before anything starts.
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"parallel.switch": "pp2:0-1,dp2:2-"}, "should start where the previous ended, at 1"),
+        ({"parallel.switch": "dp2xqq2:0-1,dp2:1-"}, "cannot read parallel layout 'dp2xqq2'"),
+        ({"parallel.pp": 2, "parallel.dp": 2, "dist.nproc": 2}, r"dp 2 x pp 2 = 4 but the world has 2 ranks"),
+        ({"parallel.dp": 3, "dist.nproc": 2}, r"dp 3 x pp 1 = 3 but the world has 2 ranks"),
+        (
+            {"parallel.pp": 2, "parallel.microbatches": 3, "dist.nproc": 2},
+            "replica batch of 16 samples .* does not split into parallel.microbatches 3",
+        ),
+        (
+            {"parallel.switch": "dp2xpp2:0-1,dp4:1-", "data.global_batch": 12, "parallel.microbatches": 4},
+            "replica batch of 6 samples .* make data.global_batch a multiple of 8",
+        ),
+        (
+            {"parallel.pp": 8, "parallel.microbatches": 8},
+            r"needs 8 pipeline stages \(pp 8 x parallel.virtual_stages 1\) but the model has only 4 blocks",
+        ),
+        (
+            {"parallel.pp": 2, "optim.kfac.enabled": True},
+            "parallel.pp 2 does not work with optim.kfac.enabled",
+        ),
+        ({"parallel.pp": 2, "train.grad_accum": 2}, "does not work with train.grad_accum 2"),
+        ({"parallel.pp": 2, "parallel.virtual_stages": 2}, "needs parallel.schedule 'interleaved-1f1b'"),
+    ],
+)
+def test_bad_parallel_settings_fail_validation(overrides: dict[str, object], message: str) -> None:
+    cfg = _config("", "runs/x", **{key.replace(".", "__"): value for key, value in overrides.items()})
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
+
+
+def test_defaults_and_plain_dp_stay_valid() -> None:
+    cfg = _config("", "runs/x")
+    assert not cfg.parallel.hybrid
+    validate(cfg)
+    cfg.parallel.dp = 2
+    validate(cfg)
+    cfg.parallel.switch = "pp2:0-1,dp2:1-"
+    assert cfg.parallel.hybrid
+    validate(cfg)
+
+
+@pytest.mark.timeout(120)
+def test_cli_reports_a_layout_that_does_not_fill_the_world_in_one_line(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kaisoku",
+            "train",
+            "--nproc",
+            "2",
+            "--parallel.pp",
+            "2",
+            "--parallel.dp",
+            "2",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "dp 2 x pp 2 = 4 but the world has 2 ranks" in lines[0]
+    assert not (tmp_path / "run").exists()  # refused before the ranks were launched
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure pieces: the schedule across optimizers, named optimizer state.
+# ------------------------------------------------------------------------------------------------
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+
+
+def test_schedule_continues_on_a_new_optimizer() -> None:
+    cfg = _config("", "runs/x")
+    cfg.sched.name = "arccot"
+    make = {"cfg": cfg.sched, "steps_per_epoch": 4, "total_steps": 20}
+    model = _net()
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, **make)
+    for _ in range(7):
+        optimizer.step()
+        scheduler.step()
+    # Another layout's optimizer (one stage's parameters, with the saved state) continues at step 7.
+    stage = build_optimizer_from_named(list(model.named_parameters())[2:], cfg.optim)
+    named = named_from_torch_optimizer_state(optimizer.state_dict())
+    from kaisoku.distributed.pipeline import load_named_optimizer_state
+
+    load_named_optimizer_state(stage, named, state_names(model))
+    follower = build_scheduler(stage, **make)
+    continue_schedule(follower, 7)
+    assert follower.last_epoch == scheduler.last_epoch == 7
+    assert [g["lr"] for g in stage.param_groups] == pytest.approx([optimizer.param_groups[0]["lr"]] * 2)
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+        stage.step()
+        follower.step()
+        assert stage.param_groups[0]["lr"] == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-12)
+
+
+def test_torch_optimizer_state_becomes_named() -> None:
+    model = _net()
+    optimizer = build_optimizer(model, Config().optim)
+    model(torch.randn(4, 4)).sum().backward()
+    optimizer.step()
+    named = named_from_torch_optimizer_state(optimizer.state_dict())
+    reference = named_optimizer_state(optimizer, state_names(model))
+    assert (
+        sorted(named["state"]) == sorted(reference["state"]) == sorted(n for n, _ in model.named_parameters())
+    )
+    for name, state in reference["state"].items():
+        assert torch.equal(named["state"][name]["momentum_buffer"], state["momentum_buffer"]), name
+    assert [g["params"] for g in named["param_groups"]] == [
+        ["0.weight", "2.weight"],
+        ["0.bias", "1.weight", "1.bias", "2.bias"],
+    ]
+    assert all("param_names" not in g for g in named["param_groups"])
