@@ -54,7 +54,6 @@ def _train_parser() -> argparse.ArgumentParser:
             "overrides. With more than one rank and outside torchrun or srun, kaisoku starts the ranks "
             "itself through torchrun (--standalone)."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--preset", default="cpu-demo", help="named preset to start from")
     parser.add_argument("--config", help="TOML file applied over the preset")
@@ -126,10 +125,23 @@ def cmd_train(argv: Sequence[str]) -> int:
     from kaisoku.engine.build import dataset_root, run_training
 
     nproc = cfg.dist.nproc or _default_nproc()
+    if not (inside_torchrun() or inside_slurm_step()):
+        _check_layout(cfg, nproc)  # one line before launching, rather than one per rank
     if inside_torchrun() or inside_slurm_step() or nproc == 1:
         run_training(cfg)
         return 0
     return _launch_torchrun(cfg, nproc, dataset_root)
+
+
+def _check_layout(cfg: Config, world_size: int) -> None:
+    if cfg.parallel.hybrid:
+        from kaisoku.engine.hybrid import resolve_schedule
+
+        resolve_schedule(cfg, world_size)
+    elif cfg.parallel.dp != -1:
+        from kaisoku.distributed.mesh import ParallelLayout
+
+        ParallelLayout.resolve(world_size, dp=cfg.parallel.dp)
 
 
 def _launch_torchrun(cfg: Config, nproc: int, dataset_root: object) -> int:
