@@ -159,7 +159,7 @@ class SchedConfig:
 class TrainConfig:
     """The training loop."""
 
-    epochs: float = 7.0
+    epochs: float = 6.0
     """Epochs to train (fractions allowed)."""
     max_steps: int = 0
     """Stop after this many optimizer steps; 0 runs all epochs."""

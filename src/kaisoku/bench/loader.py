@@ -14,10 +14,12 @@ shared file system (sshfs over a capped, delayed veth) against random per-file r
 (b) Slow shared file system (:mod:`kaisoku.bench.netfs`): the data folder served by sshd from another
     network namespace, mounted with sshfs, link capped at 1 Gbit/s and 200 Mbit/s, with D = 1 ms and
     D = 0 held per direction by a pipelined delay proxy; page cache dropped before every epoch of every
-    row. Two file sets: the 64x64 JPEGs and ~100 KB JPEGs. Per row, epochs 1 and 2: I/O time (every
-    sample's bytes delivered, no decode) and end-to-end loader time (decode, flip, collate, 2 workers).
-    Readers: random per-file reads (2 DataLoader workers; 8 reader threads), measured on a random subset
-    of the files and reported as files/s; kaisoku under the global, block and partial shuffles, reading
+    row. Two file sets: the 64x64 JPEGs (20,000 files) and 1,000 JPEGs of 400x400 (~95 KiB each). Per
+    row, epochs 1 and 2: I/O time (every sample's bytes delivered, no decode) and end-to-end loader time
+    (decode, flip, collate, 2 workers). Readers: random per-file reads, with 2 DataLoader workers (each
+    reads its batch's files one by one) and with 8 reader threads (I/O: a pool of 8 threads; end to end:
+    2 workers reading each batch with 4 threads), measured on a random subset of the files and reported
+    as files/s; kaisoku under the global, block and partial shuffles, reading
     through :class:`~kaisoku.data.cache.NodeCache` (node-local directory and RAM tier, staged ahead from
     the source), partial as 2 nodes (processes with their own caches) exchanging Q = 0.25 over gloo.
     Beside each row: shuffle quality, the link bound (bytes / rate) and the setup's ceiling, one
@@ -989,7 +991,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         options: dict[str, Any] = {"ceiling_bytes": 4 << 20, "budget_s": 30.0}
         options.update(readers=("8 threads",), shuffles=("global",))
     else:
-        large = image_set(1000, 320, "8MiB")
+        large = image_set(1000, 400, "8MiB")
         slow_sets = [
             SlowSet(sets_a[0], {0.001: 1024, 0.0: 4096}),
             SlowSet(large, {0.001: 256, 0.0: 256}),
