@@ -57,6 +57,21 @@ def interleaved(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str,
     return results
 
 
+def locate_mnist() -> Path | None:
+    """The MNIST archive the benchmarks train on: ``$KAISOKU_MNIST``, else ``shared/data/mnist.npz``
+    in or beside the working directory or the source tree; None where it is absent."""
+    env = os.environ.get("KAISOKU_MNIST")
+    if env:
+        path = Path(env).expanduser()
+        return path if path.exists() else None
+    repo = Path(__file__).resolve().parents[3]
+    for base in (Path.cwd(), Path.cwd().parent, repo, repo.parent):
+        candidate = base / "shared" / "data" / "mnist.npz"
+        if candidate.exists():
+            return candidate
+    return None
+
+
 def git_commit() -> str:
     """The commit of the working tree, or "unknown" outside a git checkout."""
     try:

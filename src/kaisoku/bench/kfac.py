@@ -16,7 +16,6 @@ import datetime
 import importlib.util
 import math
 import multiprocessing as mp
-import os
 import tempfile
 import time
 import traceback
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from kaisoku.bench.common import goal, median_iqr, print_table, write_result
+from kaisoku.bench.common import goal, locate_mnist, median_iqr, print_table, write_result
 from kaisoku.optim.kfac import KFAC
 
 WORLD_SIZE = 2
@@ -87,20 +86,6 @@ QUICK_PLAN = Plan(
     warmup_steps=2,
     kfac_options=dict(FULL_PLAN.kfac_options),
 )
-
-
-def locate_mnist() -> Path | None:
-    """``$KAISOKU_MNIST``, else ``../shared/data/mnist.npz`` beside the repository or the working dir."""
-    env = os.environ.get("KAISOKU_MNIST")
-    if env:
-        path = Path(env).expanduser()
-        return path if path.exists() else None
-    repo_root = Path(__file__).resolve().parents[3]
-    for base in (repo_root, Path.cwd()):
-        candidate = base.parent / "shared" / "data" / "mnist.npz"
-        if candidate.exists():
-            return candidate
-    return None
 
 
 def second_method() -> tuple[str, str]:

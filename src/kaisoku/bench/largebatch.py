@@ -15,7 +15,6 @@ normalises each micro-batch (as data-parallel BatchNorm does per rank), the opti
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kaisoku.bench.common import goal, print_table, write_result
+from kaisoku.bench.common import goal, locate_mnist, print_table, write_result
 from kaisoku.config import OptimConfig, SchedConfig
 from kaisoku.optim.factory import build_optimizer, build_scheduler
 
@@ -35,19 +34,6 @@ THREADS = 1
 
 #: Largest number of samples in one forward pass; bigger batches accumulate gradients.
 MICRO_BATCH = 512
-
-
-def locate_mnist() -> Path | None:
-    """The MNIST archive: ``$KAISOKU_MNIST``, else ``../shared/data/mnist.npz`` beside the repository or cwd."""
-    env = os.environ.get("KAISOKU_MNIST")
-    if env:
-        return Path(env).expanduser()
-    repo_root = Path(__file__).resolve().parents[3]
-    for base in (repo_root, Path.cwd()):
-        candidate = base.parent / "shared" / "data" / "mnist.npz"
-        if candidate.exists():
-            return candidate
-    return None
 
 
 @dataclass

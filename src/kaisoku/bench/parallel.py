@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
-import os
 import resource
 import statistics
 import tempfile
@@ -32,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kaisoku.bench.common import goal, print_table, write_result
+from kaisoku.bench.common import goal, locate_mnist, print_table, write_result
 from kaisoku.distributed.mesh import ParallelLayout, ParallelMesh, build_mesh
 from kaisoku.distributed.pipeline import HybridOptions, HybridParallel, replica_batch_slice
 from kaisoku.distributed.switch import parse_switch_schedule, switch_layout
@@ -301,19 +300,6 @@ def bench_layouts(quick: bool) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------------------------------
 
 
-def find_mnist() -> Path | None:
-    """The MNIST archive: $KAISOKU_MNIST, else ``shared/data/mnist.npz`` beside the working or source tree."""
-    env = os.environ.get("KAISOKU_MNIST")
-    if env:
-        return Path(env) if Path(env).exists() else None
-    repo = Path(__file__).resolve().parents[3]
-    for base in (Path.cwd(), Path.cwd().parent, repo, repo.parent):
-        candidate = base / "shared" / "data" / "mnist.npz"
-        if candidate.exists():
-            return candidate
-    return None
-
-
 def _mnist_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(
@@ -424,7 +410,7 @@ def _mnist_rank(
 
 def bench_mnist(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Rows of (c), one per (configuration, seed), and the per-configuration aggregates."""
-    path = find_mnist()
+    path = locate_mnist()
     if path is None:
         return [{"part": "mnist", "config": "all", "skipped": "mnist.npz not found (set KAISOKU_MNIST)"}], {}
     epochs = 2
