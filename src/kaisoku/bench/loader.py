@@ -14,7 +14,7 @@ shared file system (sshfs over a capped, delayed veth) against random per-file r
 (b) Slow shared file system (:mod:`kaisoku.bench.netfs`): the data folder served by sshd from another
     network namespace, mounted with sshfs, link capped at 1 Gbit/s and 200 Mbit/s, with D = 1 ms and
     D = 0 held per direction by a pipelined delay proxy; page cache dropped before every epoch of every
-    row. Two file sets: the 64x64 JPEGs (20,000 files) and 1,000 JPEGs of 400x400 (~95 KiB each). Per
+    row. Two file sets: the 64x64 JPEGs (20,000 files) and 1,024 JPEGs of 400x400 (~95 KiB each). Per
     row, epochs 1 and 2: I/O time (every sample's bytes delivered, no decode) and end-to-end loader time
     (decode, flip, collate, 2 workers). Readers: random per-file reads, with 2 DataLoader workers (each
     reads its batch's files one by one) and with 8 reader threads (I/O: a pool of 8 threads; end to end:
@@ -914,6 +914,8 @@ def _summary_b(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 value = row["io_e1_samples_per_s"] / reference["io_e1_samples_per_s"] if reference else None
                 summary[f"kaisoku_{name}_io_vs_8readers_1G_2msRTT_64px"] = goal(value, ">= 10")
     if kaisoku_rows:
+        met = sum(r["io_e1_vs_ceiling"] >= 0.8 for r in kaisoku_rows)
+        _log(f"kaisoku rows at >= 0.8 of the ceiling: {met} of {len(kaisoku_rows)}")
         summary["kaisoku_io_vs_ceiling_min"] = goal(
             min(r["io_e1_vs_ceiling"] for r in kaisoku_rows), ">= 0.8"
         )
@@ -952,15 +954,32 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.legend()
     if b_rows:
         ax = axes[0][1]
-        labels = [
-            f"{r['row'].replace('per-file random reads, ', 'per-file ')}\n{r['link']} {r['set'].split()[0]}"
-            for r in b_rows
-        ]
-        ax.barh(np.arange(len(b_rows)), [r["io_e1_samples_per_s"] for r in b_rows])
-        ax.set_yticks(np.arange(len(b_rows)), labels, fontsize=5)
-        ax.set_xscale("log")
-        ax.set_xlabel("epoch-1 I/O, samples/s (log)")
-        ax.set_title("(b) sshfs source, page cache dropped")
+        groups = list(dict.fromkeys((r["link"], r["set"]) for r in b_rows))
+        readers = list(dict.fromkeys(r["row"] for r in b_rows))
+        bar = 0.8 / len(readers)
+        for k, reader in enumerate(readers):
+            values = [
+                next(
+                    (
+                        r["io_e1_vs_ceiling"]
+                        for r in b_rows
+                        if (r["link"], r["set"]) == g and r["row"] == reader
+                    ),
+                    0,
+                )
+                for g in groups
+            ]
+            ax.bar(np.arange(len(groups)) + k * bar, values, bar, label=_short(reader))
+        ax.axhline(0.8, color="black", linewidth=0.8, linestyle="--")
+        ax.set_xticks(
+            np.arange(len(groups)) + bar * (len(readers) - 1) / 2,
+            [f"{_short(link)}\n{_short(set_label)}" for link, set_label in groups],
+            fontsize=8,
+        )
+        ax.set_ylabel("epoch-1 I/O rate / sequential-read ceiling")
+        ax.set_title("(b) sshfs source, page cache dropped (goal line 0.8)")
+        ax.set_ylim(0, 1.3)
+        ax.legend(fontsize=7, ncol=3, loc="upper center")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -991,7 +1010,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         options: dict[str, Any] = {"ceiling_bytes": 4 << 20, "budget_s": 30.0}
         options.update(readers=("8 threads",), shuffles=("global",))
     else:
-        large = image_set(1000, 400, "8MiB")
+        large = image_set(1024, 400, "8MiB")  # 4 whole batches: no dropped tail
         slow_sets = [
             SlowSet(sets_a[0], {0.001: 1024, 0.0: 4096}),
             SlowSet(large, {0.001: 256, 0.0: 256}),
