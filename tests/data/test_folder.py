@@ -24,10 +24,14 @@ def _steps(num: int, batch: int, world: int, epoch: int, accum: int = 1) -> list
     """For each optimizer step, the union of all ranks' sample indices, in rank order."""
     per_rank = []
     for rank in range(world):
-        sampler = EpochBatchSampler(num, global_batch=batch, rank=rank, world_size=world, seed=7, micro_batches=accum)
+        sampler = EpochBatchSampler(
+            num, global_batch=batch, rank=rank, world_size=world, seed=7, micro_batches=accum
+        )
         sampler.set_epoch(epoch)
         micro = list(sampler)
-        per_rank.append([sum((m for m in micro[s * accum : (s + 1) * accum]), []) for s in range(sampler.steps_per_epoch)])
+        per_rank.append(
+            [sum((m for m in micro[s * accum : (s + 1) * accum]), []) for s in range(sampler.steps_per_epoch)]
+        )
     return [[i for rank in range(world) for _, i in per_rank[rank][step]] for step in range(len(per_rank[0]))]
 
 
@@ -65,7 +69,12 @@ def test_sampler_rejects_batches_that_do_not_divide() -> None:
 
 
 def test_eval_sampler_covers_every_sample_once() -> None:
-    seen = [i for r in range(3) for batch in ShardedEvalSampler(10, batch_size=2, rank=r, world_size=3) for _, i in batch]
+    seen = [
+        i
+        for r in range(3)
+        for batch in ShardedEvalSampler(10, batch_size=2, rank=r, world_size=3)
+        for _, i in batch
+    ]
     assert sorted(seen) == list(range(10))
 
 

@@ -91,7 +91,12 @@ def test_grad_accumulation_and_bf16_run(tmp_path: Path, tiny_data: Path) -> None
         tmp_path / "run-c",
         4,
         "",
-        {"train__grad_accum": 2, "train__precision": "bf16", "dist__compress": "bf16", "data__global_batch": 32},
+        {
+            "train__grad_accum": 2,
+            "train__precision": "bf16",
+            "dist__compress": "bf16",
+            "data__global_batch": 32,
+        },
     )
     summary = results[0]["summary"]
     assert summary["steps"] == 4  # 80 samples / 32 = 2 steps per epoch, 2 epochs

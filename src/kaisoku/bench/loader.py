@@ -1101,7 +1101,5 @@ def _print(rows: list[dict[str, Any]], summary: dict[str, dict[str, Any]]) -> No
             for r in rows
             if r["part"] == part
         ]
-        if table:
-            print_table(f"kaisoku bench loader ({part})", table, summary if part == "b" else {})
-    if not any(r["part"] == "b" for r in rows):
-        print_table("kaisoku bench loader", [], summary)
+        goals = {k: v for k, v in summary.items() if k.startswith("kaisoku_vs_") == (part == "a")}
+        print_table(f"kaisoku bench loader ({part})", table, goals)
