@@ -122,7 +122,8 @@ def cmd_train(argv: Sequence[str]) -> int:
     if args.print_config:
         sys.stdout.write(to_toml(cfg))
         return 0
-    from kaisoku.engine.build import dataset_root, run_training
+    from kaisoku.engine.build import run_training
+    from kaisoku.engine.data_build import dataset_root
 
     nproc = cfg.dist.nproc or _default_nproc()
     if not (inside_torchrun() or inside_slurm_step()):

@@ -3,171 +3,26 @@
 from __future__ import annotations
 
 import functools
-import math
 import os
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
 from kaisoku.config import Config, to_dict
-from kaisoku.data.datagen import ensure_demo_dataset
-from kaisoku.data.dataset import ImageLabelTransform, ShardedDataset
-from kaisoku.data.folder import EpochBatchSampler, ImageFolderDataset, ShardedEvalSampler, split_train_val
-from kaisoku.data.loader import CacheSettings, ShardLoader, label_count, packed_splits
-from kaisoku.data.shuffle import ShuffleSpec
-from kaisoku.data.transforms import IMAGENET_MEAN, IMAGENET_STD, AugmentSpec, collate
+from kaisoku.data.loader import ShardLoader
 from kaisoku.distributed import env
 from kaisoku.distributed.data_parallel import BucketPlan, wrap_ddp
 from kaisoku.distributed.mesh import ParallelLayout
 from kaisoku.engine import hybrid
 from kaisoku.engine.checkpoint import CheckpointManager
+from kaisoku.engine.data_build import build_data
 from kaisoku.engine.metrics import MetricsLogger, print_summary
 from kaisoku.engine.trainer import Trainer, TrainSettings, steps_for
-from kaisoku.errors import ConfigError
 from kaisoku.models.zoo import build_model
 from kaisoku.optim.factory import build_optimizer, build_optimizer_from_named, build_scheduler
-
-
-def dataset_root(cfg: Config) -> Path:
-    """The dataset folder: ``data.path``, or the demo set generated on first use."""
-    if cfg.data.path:
-        return Path(cfg.data.path).expanduser()
-    return ensure_demo_dataset(cfg.data.cache_dir)
-
-
-def _loader(
-    dataset: ImageFolderDataset, batch_sampler: Any, workers: int, device: torch.device
-) -> DataLoader:
-    return DataLoader(
-        dataset,
-        batch_sampler=batch_sampler,
-        num_workers=workers,
-        collate_fn=collate,
-        pin_memory=device.type == "cuda",
-        persistent_workers=workers > 0,
-        prefetch_factor=4 if workers > 0 else None,
-    )
-
-
-@dataclass
-class DataParts:
-    """The loaders a run trains and validates on, and what the model needs to know about the data."""
-
-    train_loader: Any
-    train_sampler: Any
-    val_loader: DataLoader | None
-    num_classes: int
-    in_channels: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-
-
-def build_data(
-    cfg: Config, world: env.World, device: torch.device, *, shard: tuple[int, int] | None = None
-) -> DataParts:
-    """Loaders for a packed dataset (shuffles, cache, exchange) or an image-folder tree (plain sampler).
-
-    ``shard`` is ``(shard, shards)`` for the training sampler when it is not ``(rank, world size)``: the
-    replica index and count under hybrid parallelism. Validation always shards over every rank.
-    """
-    root = dataset_root(cfg)
-    train_rank, train_world = shard if shard is not None else (world.rank, world.world_size)
-    train_spec = AugmentSpec(size=cfg.data.image_size, train=True, scale=(cfg.data.crop_scale_min, 1.0))
-    val_spec = AugmentSpec(size=cfg.data.image_size, train=False)
-    workers = cfg.data.workers
-    val_batch = max(1, cfg.data.global_batch // world.world_size)
-    val_sampler_args = {"rank": world.rank, "world_size": world.world_size, "batch_size": val_batch}
-    packed = packed_splits(root)
-    if packed is None:
-        if cfg.data.shuffle != "global" or cfg.data.local_cache or cfg.data.ram_capacity not in ("", "0"):
-            raise ConfigError(
-                f"data.shuffle, data.local_cache and data.ram_capacity need a packed dataset; "
-                f"run kaisoku pack {root} DST and train on DST"
-            )
-        train_files, val_files = split_train_val(root, cfg.data.val_fraction, cfg.train.seed)
-        sampler = EpochBatchSampler(
-            len(train_files),
-            global_batch=cfg.data.global_batch,
-            rank=train_rank,
-            world_size=train_world,
-            seed=cfg.train.seed,
-            micro_batches=cfg.train.grad_accum,
-        )
-        train = ImageFolderDataset(train_files, train_spec, seed=cfg.train.seed)
-        val = ImageFolderDataset(val_files, val_spec, seed=cfg.train.seed)
-        return DataParts(
-            train_loader=_loader(train, sampler, workers, device),
-            train_sampler=sampler,
-            val_loader=_loader(val, ShardedEvalSampler(len(val_files), **val_sampler_args), workers, device),
-            num_classes=len(train_files.classes),
-            in_channels=3,
-            mean=IMAGENET_MEAN,
-            std=IMAGENET_STD,
-        )
-    train_dir, val_dir = packed
-    train_set = ShardedDataset(
-        train_dir,
-        transform=ImageLabelTransform(spec=train_spec, seed=cfg.train.seed),
-        skip_corrupt=cfg.data.skip_corrupt,
-    )
-    in_channels = image_channels(train_set)
-    shuffle = ShuffleSpec(
-        name=cfg.data.shuffle,
-        block_shards=cfg.data.block_shards,
-        buffer_size=cfg.data.buffer_size,
-        exchange=cfg.data.exchange,
-        num_nodes=world.num_nodes,
-    )
-    loader = ShardLoader(
-        train_set,
-        global_batch=cfg.data.global_batch,
-        rank=train_rank,
-        world_size=train_world,
-        ranks_per_node=world.local_world_size,
-        seed=cfg.train.seed,
-        shuffle=shuffle,
-        micro_batches=cfg.train.grad_accum,
-        workers=workers,
-        cache=CacheSettings(
-            local_dir=cfg.data.local_cache,
-            local_capacity=cfg.data.local_capacity,
-            ram_dir=cfg.data.ram_dir,
-            ram_capacity=cfg.data.ram_capacity,
-        ),
-        num_epochs=math.ceil(cfg.train.epochs),
-        pin_memory=device.type == "cuda",
-    )
-    val_loader = None
-    if val_dir is not None:
-        val_set = ShardedDataset(
-            val_dir,
-            transform=ImageLabelTransform(spec=val_spec, seed=cfg.train.seed),
-            skip_corrupt=cfg.data.skip_corrupt,
-        )
-        val_loader = _loader(val_set, ShardedEvalSampler(len(val_set), **val_sampler_args), workers, device)
-    mean, std = (IMAGENET_MEAN, IMAGENET_STD) if in_channels == 3 else ((0.5,), (0.25,))
-    return DataParts(
-        train_loader=loader,
-        train_sampler=loader,
-        val_loader=val_loader,
-        num_classes=label_count(train_set),
-        in_channels=in_channels,
-        mean=mean,
-        std=std,
-    )
-
-
-def image_channels(dataset: ShardedDataset) -> int:
-    """Channels of the dataset's images: encoded images decode to RGB; stored arrays keep theirs."""
-    for field in dataset.index.fields:
-        if field.name == "image" and field.kind == "array" and field.shape is not None:
-            return 1 if len(field.shape) == 2 else int(field.shape[-1])
-    return 3
 
 
 def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer:
