@@ -136,10 +136,12 @@ def test_sigkill_during_checkpoint_save_leaves_only_complete_checkpoints(
 ) -> None:
     run_dir = tmp_path / "run"
     # Checkpoints at every 2 steps; the save at step 4 pauses before its rename, and rank 0 dies there.
+    # The same launcher as `kaisoku train`, with ranks whose checkpoint writer takes a pausing callback.
+    args = _args(tiny_data, run_dir, "--checkpoint.every-steps", "2", "--train.epochs", "50")
+    entry = Path(__file__).parent / "engine" / "paused_save_entry.py"
     proc = subprocess.Popen(
-        _args(tiny_data, run_dir, "--checkpoint.every-steps", "2", "--train.epochs", "50"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=_env(KAISOKU_TEST_PAUSE_BEFORE_RENAME="120"),
+        [sys.executable, str(entry), *args[4:]],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
     )  # fmt: skip
     paused = run_dir / "checkpoints" / "PAUSED"
     assert _wait_for(paused.exists, 180)

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 import typing
 from collections.abc import Sequence
-from pathlib import Path
 
 from kaisoku.config import (
     Config,
@@ -82,7 +79,8 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def resolve_config(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
-    """Parse ``kaisoku train`` arguments into a validated Config."""
+    """Parse ``kaisoku train`` arguments into a Config, validated against the world the run will have."""
+    from kaisoku.distributed.env import planned_world_size
     from kaisoku.presets import get_preset
 
     parser = _train_parser()
@@ -104,92 +102,25 @@ def resolve_config(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
     for dest, value in vars(args).items():
         if dest.startswith("cfg:") and value is not None:
             apply_override(cfg, dest[4:], value)
-    validate(cfg)
+    validate(cfg, world_size=planned_world_size(cfg.dist.nproc))
     return cfg, args
-
-
-def _default_nproc() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
 def cmd_train(argv: Sequence[str]) -> int:
     """``kaisoku train``."""
-    from kaisoku.distributed.env import inside_slurm_step, inside_torchrun
+    from kaisoku.distributed.env import inside_slurm_step, inside_torchrun, planned_world_size
 
     cfg, args = resolve_config(argv)
     if args.print_config:
         sys.stdout.write(to_toml(cfg))
         return 0
-    from kaisoku.engine.build import run_training
-    from kaisoku.engine.data_build import dataset_root
+    from kaisoku.engine.build import run_training, train_on_local_ranks
 
-    nproc = cfg.dist.nproc or _default_nproc()
-    if not (inside_torchrun() or inside_slurm_step()):
-        _check_layout(cfg, nproc)  # one line before launching, rather than one per rank
+    nproc = planned_world_size(cfg.dist.nproc)
     if inside_torchrun() or inside_slurm_step() or nproc == 1:
         run_training(cfg)
         return 0
-    return _launch_torchrun(cfg, nproc, dataset_root)
-
-
-def _check_layout(cfg: Config, world_size: int) -> None:
-    if cfg.parallel.hybrid:
-        from kaisoku.engine.hybrid import resolve_schedule
-
-        resolve_schedule(cfg, world_size)
-    elif cfg.parallel.dp != -1:
-        from kaisoku.distributed.mesh import ParallelLayout
-
-        ParallelLayout.resolve(world_size, dp=cfg.parallel.dp)
-
-
-def _launch_torchrun(cfg: Config, nproc: int, dataset_root: object) -> int:
-    """Start ``nproc`` ranks on this node through torchrun's own entry points."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
-    from kaisoku.engine.checkpoint import CheckpointManager
-    from kaisoku.fsutil import atomic_write_text
-
-    dataset_root(cfg)  # type: ignore[operator]  # generate the demo set once, before the ranks start
-    run_dir = Path(cfg.run_dir).expanduser()
-    config_path = run_dir / "config.toml"
-    atomic_write_text(config_path, to_toml(cfg))
-    cores = len(os.sched_getaffinity(0))
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
-    torchrun_args = get_args_parser().parse_args(
-        [
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            f"--max-restarts={cfg.dist.max_restarts}",
-            "--monitor-interval=0.5",
-            "-m",
-            "kaisoku",
-            "train",
-            "--config",
-            str(config_path),
-        ]
-    )
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
-    try:
-        run(torchrun_args)
-    except ChildFailedError as error:
-        CheckpointManager(run_dir / "checkpoints", keep=cfg.checkpoint.keep).remove_partial()
-        rank, failure = error.get_first_failure()
-        how = (
-            f"signal {failure.signal_name()}"
-            if failure.signal_name() != "<N/A>"
-            else f"exit code {failure.exitcode}"
-        )
-        print(
-            f"kaisoku: rank {rank} stopped ({how}); all ranks were stopped. "
-            f"Complete checkpoints stay in {run_dir / 'checkpoints'}; rerun with --resume auto to continue.",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    return train_on_local_ranks(cfg, nproc)
 
 
 def cmd_datagen(argv: Sequence[str]) -> int:
@@ -220,25 +151,17 @@ def cmd_datagen(argv: Sequence[str]) -> int:
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
-    """``kaisoku bench NAME [--quick] [--out DIR]``."""
-    from kaisoku.bench import BENCHMARKS, run_benchmark
+    """``kaisoku bench NAME [--quick] [--out DIR] [--strict]``."""
+    from kaisoku.bench import main as bench_main
 
-    parser = _Parser(prog="kaisoku bench", description="Run a benchmark; results go to OUT/<name>.json.")
-    parser.add_argument("name", help=f"one of: {', '.join(BENCHMARKS)}")
-    parser.add_argument(
-        "--quick", action="store_true", help="a short run (< 1 minute) that skips missing peers"
-    )
-    parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON and plots")
-    args = parser.parse_args(list(argv))
-    run_benchmark(args.name, quick=args.quick, out_dir=Path(args.out))
-    return 0
+    return bench_main(argv)
 
 
 def cmd_pack(argv: Sequence[str]) -> int:
     """``kaisoku pack SRC DST``."""
     from kaisoku.data.codecs import available_codecs
-    from kaisoku.data.format import format_bytes, parse_bytes
     from kaisoku.data.writer import pack
+    from kaisoku.units import format_bytes, parse_bytes
 
     parser = _Parser(
         prog="kaisoku pack",
@@ -290,7 +213,7 @@ def cmd_pack(argv: Sequence[str]) -> int:
 
 def cmd_inspect(argv: Sequence[str]) -> int:
     """``kaisoku inspect PATH [--verify]``."""
-    from kaisoku.data.format import inspect_dataset
+    from kaisoku.data.inspect import inspect_dataset
 
     parser = _Parser(
         prog="kaisoku inspect",

@@ -17,11 +17,23 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import tomli_w
 
 from kaisoku.errors import ConfigError
+from kaisoku.units import parse_bytes
+
+if TYPE_CHECKING:
+    from kaisoku.data.shuffle import ShuffleSpec
+    from kaisoku.data.staging import CacheSettings
+
+
+class ByteSize(int):
+    """A byte count; config files and the command line may write it as ``2GiB``, ``500MB`` or ``0``.
+
+    Parsed once, when the config is read, by :func:`kaisoku.units.parse_bytes`.
+    """
 
 
 @dataclass(kw_only=True)
@@ -68,9 +80,9 @@ class DataConfig:
     """partial: fraction Q in [0, 1] of each node's samples exchanged per epoch (0: local only; 1: like global)."""
     local_cache: str = ""
     """Packed data: node-local directory (SSD) that stages shards from data.path; empty: no disk tier."""
-    local_capacity: str = "0"
-    """Bytes the node-local tier may use, e.g. 200GiB; 0: off."""
-    ram_capacity: str = "0"
+    local_capacity: ByteSize = ByteSize(0)
+    """Bytes the node-local tier may use, e.g. 200GiB (K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, kB/MB/GB/TB of 1000); 0: off."""
+    ram_capacity: ByteSize = ByteSize(0)
     """Bytes of RAM (/dev/shm, shared by a node's ranks) for staged shards, e.g. 16GiB; 0: off."""
     ram_dir: str = "/dev/shm/kaisoku"
     """Where the RAM tier, exchanged samples and the cache's control files live."""
@@ -355,6 +367,11 @@ def coerce(key: str, tp: Any, value: Any) -> Any:
         if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
             return value.lower() in _TRUE
         raise ConfigError(f"{key}: {value!r} is not a bool; use true or false")
+    if tp is ByteSize:
+        try:
+            return ByteSize(parse_bytes(value))
+        except ConfigError:
+            raise ConfigError(f"{key}: {value!r} is not a size such as 2GiB or 500MB") from None
     if tp in (int, float):
         if isinstance(value, bool):
             raise ConfigError(f"{key}: {value!r} is not an {tp.__name__}")
@@ -448,7 +465,11 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 def to_dict(cfg: Config) -> dict[str, Any]:
     """The config as a nested dict of plain values."""
-    return dataclasses.asdict(cfg)
+    return dataclasses.asdict(cfg, dict_factory=lambda items: {k: _plain(v) for k, v in items})
+
+
+def _plain(value: Any) -> Any:
+    return int(value) if isinstance(value, ByteSize) else value
 
 
 def to_toml(cfg: Config) -> str:
@@ -463,8 +484,12 @@ def from_dict(mapping: dict[str, Any]) -> Config:
     return cfg
 
 
-def validate(cfg: Config) -> None:
-    """Check values that types alone do not catch; raise ConfigError naming the field."""
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Check values that types alone do not catch; raise ConfigError naming the field.
+
+    ``world_size`` is the number of ranks the run will have, where it is known before launching; the
+    parallel layout is checked against it then (else on each rank, with the world it joined).
+    """
     checks: list[tuple[bool, str]] = [
         (cfg.data.global_batch > 0, "data.global_batch must be > 0"),
         (cfg.data.image_size >= 8, "data.image_size must be >= 8"),
@@ -498,51 +523,68 @@ def validate(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    _validate_data(cfg.data)
-    _validate_parallel(cfg)
+    shuffle, cache = data_settings(cfg.data)
+    _validate_parallel(cfg, world_size, shuffle.depends_on_nodes, cache.enabled)
     if cfg.data.path and not Path(cfg.data.path).expanduser().exists():
         raise ConfigError(f"data.path {cfg.data.path} does not exist; point it at a dataset folder")
     if cfg.data.path and not Path(cfg.data.path).expanduser().is_dir():
         raise ConfigError(f"data.path {cfg.data.path} is not a folder of class sub-folders")
 
 
-def _validate_data(data: DataConfig) -> None:
-    from kaisoku.data.format import parse_bytes
+def data_settings(data: DataConfig, num_nodes: int = 1) -> tuple[ShuffleSpec, CacheSettings]:
+    """The shuffle and the node cache's settings of ``data.*``; each checks its own values (ConfigError)."""
+    from kaisoku.data.shuffle import ShuffleSpec
+    from kaisoku.data.staging import CacheSettings
 
-    if data.block_shards < 1:
-        raise ConfigError("data.block_shards must be >= 1")
-    if data.buffer_size < 0:
-        raise ConfigError("data.buffer_size must be >= 0")
-    if not 0.0 <= data.exchange <= 1.0:
-        raise ConfigError(f"data.exchange must be in [0, 1] (got {data.exchange})")
-    if data.exchange > 0 and data.shuffle != "partial":
-        raise ConfigError("data.exchange needs --data.shuffle partial")
-    for key in ("local_capacity", "ram_capacity"):
-        try:
-            parse_bytes(getattr(data, key))
-        except Exception:
-            raise ConfigError(
-                f"data.{key}: {getattr(data, key)!r} is not a size such as 2GiB or 500MB"
-            ) from None
-    if parse_bytes(data.local_capacity) > 0 and not data.local_cache:
-        raise ConfigError(
-            "data.local_capacity needs data.local_cache, the node-local directory to stage into"
-        )
+    shuffle = ShuffleSpec(
+        name=data.shuffle,
+        block_shards=data.block_shards,
+        buffer_size=data.buffer_size,
+        exchange=data.exchange,
+        num_nodes=num_nodes,
+    )
+    cache = CacheSettings(
+        local_dir=data.local_cache,
+        local_capacity=int(data.local_capacity),
+        ram_dir=data.ram_dir,
+        ram_capacity=int(data.ram_capacity),
+    )
+    return shuffle, cache
 
 
-def _validate_parallel(cfg: Config) -> None:
-    """Check ``parallel.*``; dp x pp against the world where it is known yet (else at start, on the ranks)."""
+def _validate_parallel(cfg: Config, world_size: int | None, node_shuffle: bool, node_cache: bool) -> None:
+    """Check ``parallel.*`` (through :func:`kaisoku.distributed.layout.check_parallel`) and what it excludes."""
+    from kaisoku.distributed.layout import check_parallel
+
     par = cfg.parallel
-    if par.dp != -1 and par.dp < 1:
-        raise ConfigError(f"parallel.dp must be -1 (the ranks left) or >= 1 (got {par.dp})")
-    if par.pp < 1:
-        raise ConfigError(f"parallel.pp must be >= 1 (got {par.pp})")
-    if par.microbatches < 1:
-        raise ConfigError(f"parallel.microbatches must be >= 1 (got {par.microbatches})")
-    if par.virtual_stages < 1:
-        raise ConfigError(f"parallel.virtual_stages must be >= 1 (got {par.virtual_stages})")
-    if not par.hybrid and par.dp == -1:
-        return  # plain data parallelism over the whole world
-    from kaisoku.engine.hybrid import check_parallel_config
+    check_parallel(
+        world_size=world_size,
+        global_batch=cfg.data.global_batch,
+        dp=par.dp,
+        pp=par.pp,
+        microbatches=par.microbatches,
+        schedule=par.schedule,
+        virtual_stages=par.virtual_stages,
+        switch=par.switch,
+        unit=par.switch_unit,
+        block_count=functools.partial(_block_count, cfg.model),
+    )
+    if not par.hybrid:
+        return
+    what = "parallel.switch" if par.switch.strip() else f"parallel.pp {par.pp}"
+    unsupported = [
+        (cfg.train.grad_accum != 1, f"train.grad_accum {cfg.train.grad_accum}: use parallel.microbatches"),
+        (cfg.optim.kfac.enabled, "optim.kfac.enabled (K-FAC runs on data parallelism only)"),
+        (cfg.train.precision == "fp16", "train.precision fp16 (use bf16 or fp32)"),
+        (node_shuffle, f"data.shuffle {cfg.data.shuffle} (use global or block)"),
+        (node_cache, "data.local_cache / data.ram_capacity (the node cache plans for data-parallel ranks)"),
+    ]
+    for refused, setting in unsupported:
+        if refused:
+            raise ConfigError(f"{what} does not work with {setting}")
 
-    check_parallel_config(cfg)
+
+def _block_count(model: ModelConfig) -> int:
+    from kaisoku.models.zoo import block_count
+
+    return block_count(model.name, stem=model.stem)

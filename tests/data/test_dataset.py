@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kaisoku.data.dataset import ImageLabelTransform, ShardedDataset
-from kaisoku.data.format import CorruptRecordError, read_index
+from kaisoku.data.format import read_index
+from kaisoku.data.records import CorruptRecordError
 from kaisoku.data.transforms import AugmentSpec, augment, collate, decode_image
 from kaisoku.data.writer import pack
 from kaisoku.errors import KaisokuError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kaisoku.data.sampler import EpochSampler, rank_batches
+from kaisoku.data.sampler import EpochSampler, KeyedMicroBatches, rank_batches
 from kaisoku.data.shuffle import ShuffleSpec
 from kaisoku.errors import KaisokuError
 
@@ -156,3 +156,90 @@ def test_world_that_cannot_split_the_batch_is_refused() -> None:
             seed=0,
             shuffle=ShuffleSpec(name="partial", num_nodes=3),
         )
+
+
+# ------------------------------------------------------------------ the image-folder path (one "shard")
+
+
+def _folder_sampler(num: int, batch: int, rank: int, world: int, seed: int, accum: int = 1) -> EpochSampler:
+    return EpochSampler(
+        [num],
+        global_batch=batch,
+        rank=rank,
+        world_size=world,
+        seed=seed,
+        shuffle=ShuffleSpec(unpacked=True),
+        micro_batches=accum,
+    )
+
+
+def _folder_steps(num: int, batch: int, world: int, epoch: int, accum: int = 1) -> list[list[int]]:
+    """For each optimizer step, the union of all ranks' sample indices, in rank order."""
+    per_rank = []
+    for rank in range(world):
+        sampler = _folder_sampler(num, batch, rank, world, seed=7, accum=accum)
+        sampler.set_epoch(epoch, 0)
+        micro = list(KeyedMicroBatches(sampler))
+        per_rank.append(
+            [sum((m for m in micro[s * accum : (s + 1) * accum]), []) for s in range(sampler.steps_per_epoch)]
+        )
+    return [[i for rank in range(world) for _, i in per_rank[rank][step]] for step in range(len(per_rank[0]))]
+
+
+def test_folder_step_contents_do_not_depend_on_world_size_or_accumulation() -> None:
+    one = _folder_steps(100, 16, 1, epoch=3)
+    assert one == _folder_steps(100, 16, 2, epoch=3)
+    assert one == _folder_steps(100, 16, 4, epoch=3, accum=2)
+    assert len(one) == 100 // 16  # the short tail is dropped
+    flat = [i for step in one for i in step]
+    assert len(set(flat)) == len(flat)
+
+
+def test_folder_micro_batches_are_pinned() -> None:
+    """The image-folder demo run's data: these keys must never change (the run replays exactly)."""
+    sampler = _folder_sampler(64, 16, rank=1, world=2, seed=5, accum=2)
+    sampler.set_epoch(1, 2)
+    batches = iter(KeyedMicroBatches(sampler))
+    assert [next(batches) for _ in range(3)] == [
+        [(1, 22), (1, 8), (1, 9), (1, 45)],
+        [(1, 41), (1, 7), (1, 56), (1, 55)],
+        [(1, 52), (1, 54), (1, 24), (1, 0)],
+    ]
+
+
+def test_start_step_skips_exactly_the_consumed_steps() -> None:
+    sampler = _folder_sampler(64, 8, rank=1, world=2, seed=0)
+    sampler.set_epoch(2, 0)
+    full = list(KeyedMicroBatches(sampler))
+    sampler.set_epoch(2, start_step=3)
+    assert sampler.state_dict()["position"] == 3 * 8
+    assert list(KeyedMicroBatches(sampler)) == full[3:]
+
+
+def test_sampler_rejects_batches_that_do_not_divide() -> None:
+    with pytest.raises(KaisokuError, match="not a multiple of the world size 3"):
+        _folder_sampler(100, 16, rank=0, world=3, seed=0)
+    with pytest.raises(KaisokuError, match="not divisible by train.grad_accum 3"):
+        _folder_sampler(100, 16, rank=0, world=2, seed=0, accum=3)
+    with pytest.raises(KaisokuError, match="fewer than one global batch"):
+        _folder_sampler(10, 16, rank=0, world=2, seed=0)
+
+
+def test_set_shard_takes_another_slice_of_the_same_global_batches() -> None:
+    sampler = _folder_sampler(64, 8, rank=0, world=1, seed=3)
+    sampler.set_epoch(0, 0)
+    whole = [batch for batch in sampler]
+    sampler.set_shard(1, 4)
+    sampler.set_epoch(0, 0)
+    assert [batch for batch in sampler] == [b[2:4] for b in whole]
+    with pytest.raises(KaisokuError, match="not a multiple of the world size 3"):
+        sampler.set_shard(0, 3)
+    assert (sampler.rank, sampler.world_size) == (1, 4)
+
+
+def test_folder_state_of_earlier_versions_resumes() -> None:
+    sampler = _folder_sampler(64, 8, rank=0, world=2, seed=0)
+    sampler.load_state_dict({"epoch": 2, "step": 3, "seed": 0, "num_samples": 64, "global_batch": 8})
+    assert (sampler.epoch, sampler.step) == (2, 3)
+    with pytest.raises(KaisokuError, match="seed"):
+        sampler.load_state_dict({"epoch": 2, "step": 3, "seed": 1, "num_samples": 64, "global_batch": 8})

@@ -10,8 +10,9 @@ import pytest
 import simplejpeg
 from PIL import Image
 
-from kaisoku.data.format import INDEX_NAME, RecordCodec, read_index, record_view
-from kaisoku.data.writer import pack, pack_records, plan_shards, scan_image_folder
+from kaisoku.data.format import INDEX_NAME, read_index
+from kaisoku.data.records import RecordCodec, record_view
+from kaisoku.data.writer import pack, pack_records, plan_shards
 from kaisoku.errors import KaisokuError
 
 CLASSES = ("cat", "dog", "emu")
@@ -78,16 +79,6 @@ def test_plan_shards_cuts_on_logical_size() -> None:
     assert plan_shards([], 8) == []
     with pytest.raises(KaisokuError, match="positive"):
         plan_shards([1], 0)
-
-
-def test_scan_image_folder_labels_sorted_classes(tmp_path: Path) -> None:
-    files = make_image_folder(tmp_path / "src")
-    classes, items = scan_image_folder(tmp_path / "src")
-    assert classes == list(CLASSES)
-    assert sorted(rel for rel, _, _ in items) == sorted(files)
-    for relative, label, size in items:
-        assert label == CLASSES.index(relative.split("/")[0])
-        assert size == len(files[relative])
 
 
 def test_pack_image_folder_round_trip(tmp_path: Path) -> None:
@@ -221,22 +212,6 @@ def test_pack_records_infers_schema(tmp_path: Path) -> None:
 # -- bad input ---------------------------------------------------------------------------------
 
 
-def test_empty_class_folder_is_an_error(tmp_path: Path) -> None:
-    make_image_folder(tmp_path / "src")
-    (tmp_path / "src" / "zebra").mkdir()
-    (tmp_path / "src" / "zebra" / "readme.txt").write_text("no images here")
-    with pytest.raises(KaisokuError, match="zebra holds no images"):
-        pack(tmp_path / "src", tmp_path / "dst", workers=0, progress=False)
-    assert not (tmp_path / "dst").exists()
-
-
-def test_tree_without_class_folders_is_an_error(tmp_path: Path) -> None:
-    (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "a.jpg").write_bytes(simplejpeg.encode_jpeg(image_array(0)))
-    with pytest.raises(KaisokuError, match="no class folders"):
-        pack(tmp_path / "src", tmp_path / "dst", workers=0, progress=False)
-
-
 @pytest.mark.parametrize("workers", [0, 2])
 def test_unreadable_image_names_the_file(tmp_path: Path, workers: int) -> None:
     files = make_image_folder(tmp_path / "src")
@@ -298,3 +273,19 @@ def test_progress_bar_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     make_image_folder(tmp_path / "src", per_class=2)
     index = pack(tmp_path / "src", tmp_path / "dst", workers=0, progress=True)
     assert index.num_samples == 9
+
+
+def test_empty_class_folder_is_an_error(tmp_path: Path) -> None:
+    make_image_folder(tmp_path / "src")
+    (tmp_path / "src" / "zebra").mkdir()
+    (tmp_path / "src" / "zebra" / "readme.txt").write_text("no images here")
+    with pytest.raises(KaisokuError, match="zebra holds no images"):
+        pack(tmp_path / "src", tmp_path / "dst", workers=0, progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_tree_without_class_folders_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.jpg").write_bytes(simplejpeg.encode_jpeg(image_array(0)))
+    with pytest.raises(KaisokuError, match="no class folders"):
+        pack(tmp_path / "src", tmp_path / "dst", workers=0, progress=False)

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kaisoku.distributed.mesh import ParallelLayout, build_mesh
+from kaisoku.distributed.layout import ParallelLayout
+from kaisoku.distributed.mesh import build_mesh
 from tests.dist_harness import run_ranks
 
 

@@ -13,19 +13,19 @@ import torch
 from torch import nn
 from torchvision.models import VisionTransformer, resnet18
 
-from kaisoku.distributed.mesh import ParallelLayout, build_mesh
+from kaisoku.distributed.layout import ParallelLayout, check_schedule
+from kaisoku.distributed.mesh import build_mesh
+from kaisoku.distributed.named_state import (
+    load_named_optimizer_state,
+    merge_named_optimizer_states,
+    named_optimizer_state,
+)
+from kaisoku.distributed.partition import measure_block_costs, parameter_costs, partition_blocks
 from kaisoku.distributed.pipeline import (
     HybridOptions,
     HybridParallel,
     check_microbatches,
-    check_schedule,
-    load_named_optimizer_state,
-    measure_block_costs,
-    merge_named_optimizer_states,
     microbatch_momentum,
-    named_optimizer_state,
-    parameter_costs,
-    partition_blocks,
     replica_batch_slice,
 )
 from kaisoku.errors import ConfigError, KaisokuError

@@ -9,16 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from kaisoku.distributed.mesh import ParallelLayout, build_mesh
+from kaisoku.distributed.layout import ParallelLayout, SwitchSchedule, SwitchSegment, parse_switch_schedule
+from kaisoku.distributed.mesh import build_mesh
 from kaisoku.distributed.pipeline import HybridOptions, HybridParallel
-from kaisoku.distributed.switch import (
-    SwitchSchedule,
-    SwitchSegment,
-    load_full_state,
-    parse_switch_schedule,
-    save_full_state,
-    switch_layout,
-)
+from kaisoku.distributed.switch import load_full_state, save_full_state, switch_layout
 from kaisoku.errors import ConfigError, KaisokuError
 from tests.dist_harness import run_ranks
 from tests.distributed.test_pipeline import (

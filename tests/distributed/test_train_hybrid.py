@@ -15,9 +15,9 @@ from torch import nn
 from kaisoku.config import Config, apply_override, validate
 from kaisoku.data.datagen import generate
 from kaisoku.distributed.env import World
-from kaisoku.distributed.pipeline import named_optimizer_state
+from kaisoku.distributed.named_state import named_from_torch_optimizer_state, named_optimizer_state
 from kaisoku.engine.build import build_trainer
-from kaisoku.engine.hybrid import continue_schedule, named_from_torch_optimizer_state
+from kaisoku.engine.step import continue_schedule
 from kaisoku.errors import ConfigError
 from kaisoku.models.blocks import state_names
 from kaisoku.optim.factory import build_optimizer, build_optimizer_from_named, build_scheduler, warmup_steps
@@ -258,7 +258,7 @@ def test_checkpoints_move_between_pipeline_and_data_parallel_runs(
 def test_bad_parallel_settings_fail_validation(overrides: dict[str, object], message: str) -> None:
     cfg = _config("", "runs/x", **{key.replace(".", "__"): value for key, value in overrides.items()})
     with pytest.raises(ConfigError, match=message):
-        validate(cfg)
+        validate(cfg, world_size=cfg.dist.nproc or None)  # the world kaisoku would launch
 
 
 def test_defaults_and_plain_dp_stay_valid() -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -63,11 +67,82 @@ def test_failed_write_leaves_old_file_and_no_temp(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == [target]
 
 
+def test_before_rename_sees_the_complete_temp_file_beside_no_checkpoint(tmp_path: Path) -> None:
+    seen: list[tuple[Path, dict, list[Path], bool]] = []
+
+    def record(tmp: Path) -> None:
+        state = torch.load(tmp, weights_only=True)
+        seen.append((tmp, state, manager.list(), manager.path_for(2).exists()))
+
+    manager = CheckpointManager(tmp_path, keep=3, before_rename=record)
+    manager.save(_state(1))
+    final = manager.save(_state(2))
+    assert len(seen) == 2
+    tmp, state, listed, final_existed = seen[1]
+    assert tmp.parent == tmp_path and tmp.name.startswith(".step-00000002.pt.") and tmp.suffix == ".tmp"
+    assert state["step"] == 2 and torch.equal(state["model"]["w"], torch.full((2,), 2.0))
+    assert [p.name for p in listed] == ["step-00000001.pt"]
+    assert not final_existed
+    assert not tmp.exists() and final.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001.pt", "step-00000002.pt"]
+
+
+def test_before_rename_that_raises_leaves_no_temp_file_and_no_checkpoint(tmp_path: Path) -> None:
+    temps: list[Path] = []
+
+    def fail(tmp: Path) -> None:
+        temps.append(tmp)
+        raise RuntimeError("writer stopped before the rename")
+
+    CheckpointManager(tmp_path, keep=3).save(_state(1))
+    manager = CheckpointManager(tmp_path, keep=3, before_rename=fail)
+    with pytest.raises(RuntimeError, match="before the rename"):
+        manager.save(_state(2))
+    assert len(temps) == 1 and not temps[0].exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000001.pt"]
+    found = manager.latest_valid()
+    assert found is not None and found[1]["step"] == 1
+
+
+_KILLED_WRITER = """
+import os, signal, sys
+from pathlib import Path
+from kaisoku.engine.checkpoint import CheckpointManager
+
+def die(tmp: Path) -> None:
+    print(tmp, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+state = {"model": {}, "optimizer": {}, "scheduler": {}, "data": {}, "rng": {}}
+directory = Path(sys.argv[1])
+CheckpointManager(directory, keep=3).save({**state, "step": 1})
+CheckpointManager(directory, keep=3, before_rename=die).save({**state, "step": 2})
+"""
+
+
+def test_writer_killed_before_the_rename_leaves_only_complete_checkpoints(tmp_path: Path) -> None:
+    """A SIGKILL runs no cleanup: the temp file stays, is never taken as a checkpoint, and is removed."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_KILLED_WRITER), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    tmp = Path(proc.stdout.strip())
+    assert tmp.exists() and tmp.parent == tmp_path
+    assert torch.load(tmp, weights_only=True)["step"] == 2  # complete, only not renamed
+    manager = CheckpointManager(tmp_path, keep=3)
+    assert [p.name for p in manager.list()] == ["step-00000001.pt"]
+    found = manager.latest_valid()
+    assert found is not None and found[1]["step"] == 1
+    manager.remove_partial()
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000001.pt"]
+
+
 @pytest.fixture
 def tiny_disk(tmp_path: Path):
     """A 64 KiB tmpfs: a real full disk (chmod proves nothing to root)."""
-    import subprocess
-
     mount = tmp_path / "tiny"
     mount.mkdir()
     result = subprocess.run(

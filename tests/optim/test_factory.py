@@ -159,3 +159,30 @@ def test_build_optimizer_from_named_parameters_of_a_part() -> None:
     assert [names(g) for g in optimizer.param_groups] == [["fc.weight"], ["bn.weight", "bn.bias", "fc.bias"]]
     with pytest.raises(ConfigError, match="trainable"):
         build_optimizer_from_named(list(model.frozen.named_parameters()), OptimConfig())
+
+
+def test_build_optimizer_names_a_frozen_model_and_checks_config_first() -> None:
+    frozen = Net().requires_grad_(False)
+    with pytest.raises(ConfigError, match="the model has no trainable parameters for the optimizer"):
+        build_optimizer(frozen, OptimConfig())
+    with pytest.raises(ConfigError, match=r"optim\.lr"):
+        build_optimizer(frozen, OptimConfig(lr=-1.0))
+
+
+def test_build_optimizer_equals_building_from_the_models_named_parameters() -> None:
+    from kaisoku.optim.factory import build_optimizer_from_named
+
+    model = Net()
+    cfg = OptimConfig(name="lars", weight_decay=1e-3)
+    whole = build_optimizer(model, cfg, exclude=["fc.*"])
+    named = build_optimizer_from_named(model.named_parameters(), cfg, exclude=["fc.*"])
+    assert type(whole) is type(named)
+    assert [names(g) for g in whole.param_groups] == [names(g) for g in named.param_groups]
+    assert [names(g) for g in whole.param_groups] == [
+        ["conv.weight"],
+        ["bn.weight", "bn.bias", "fc.weight", "fc.bias"],
+    ]
+    strip = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in whole.param_groups]
+    assert strip == [
+        {k: v for k, v in g.items() if k not in ("params", "param_names")} for g in named.param_groups
+    ]

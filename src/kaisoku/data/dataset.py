@@ -32,14 +32,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch.utils.data
 
-from kaisoku.data.format import (
-    CorruptRecordError,
-    Index,
-    RecordCodec,
-    check_record,
-    read_index,
-    record_view,
-)
+from kaisoku.data.format import Index, read_index
+from kaisoku.data.records import CorruptRecordError, RecordCodec, check_record, record_view
 from kaisoku.data.transforms import AugmentSpec, augment, decode_image
 from kaisoku.errors import KaisokuError
 

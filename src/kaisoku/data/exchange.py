@@ -186,12 +186,7 @@ def exchange_for_epoch(
     """
     epoch = sampler.epoch
     spec = sampler.spec_for(epoch)
-    if (
-        spec.name != "partial"
-        or spec.exchange == 0.0
-        or spec.num_nodes == 1
-        or not sampler.layout_matches(epoch)
-    ):
+    if not spec.exchanges or not sampler.layout_matches(epoch):
         return {}
     plan = plan_exchange(
         sampler.epoch_order(epoch),

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +23,12 @@ from torch.utils.data import DataLoader, Dataset
 from kaisoku.data.cache import NodeCache
 from kaisoku.data.dataset import ShardedDataset
 from kaisoku.data.exchange import RecordStore
-from kaisoku.data.format import INDEX_NAME, parse_bytes
+from kaisoku.data.format import INDEX_NAME
 from kaisoku.data.quality import shuffle_quality
-from kaisoku.data.sampler import EpochSampler
+from kaisoku.data.sampler import EpochSampler, KeyedMicroBatches
 from kaisoku.data.shuffle import ShuffleSpec
+from kaisoku.data.staging import CacheSettings
 from kaisoku.data.transforms import collate
-from kaisoku.errors import KaisokuError
 
 log = logging.getLogger(__name__)
 
@@ -68,43 +67,6 @@ class _ExchangedSamples(Dataset):
         return self.dataset[key]
 
 
-class _KeyedMicroBatches:
-    """Cuts each of the sampler's rank batches into ``micro`` equal parts of ``(epoch, index)`` keys."""
-
-    def __init__(self, sampler: EpochSampler, micro: int) -> None:
-        self.sampler = sampler
-        self.micro = micro
-
-    def __len__(self) -> int:
-        return len(self.sampler) * self.micro
-
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        epoch = self.sampler.epoch
-        for batch in self.sampler:
-            size = len(batch) // self.micro
-            for k in range(self.micro):
-                yield [(epoch, i) for i in batch[k * size : (k + 1) * size]]
-
-
-@dataclass(kw_only=True)
-class CacheSettings:
-    """Where the node cache stages shards; all off by default."""
-
-    local_dir: str = ""
-    """Node-local directory for the disk tier; empty: no disk tier."""
-    local_capacity: str = "0"
-    """Bytes the disk tier may use (e.g. 200GiB)."""
-    ram_dir: str = "/dev/shm/kaisoku"
-    """Directory for the RAM tier and the cache's control files."""
-    ram_capacity: str = "0"
-    """Bytes of RAM for staged shards (e.g. 16GiB)."""
-
-    @property
-    def enabled(self) -> bool:
-        """True when any tier has a capacity."""
-        return parse_bytes(self.local_capacity) > 0 or parse_bytes(self.ram_capacity) > 0
-
-
 class ShardLoader:
     """A rank's training batches over a packed dataset, epoch after epoch, resumable exactly."""
 
@@ -132,12 +94,8 @@ class ShardLoader:
             world_size=world_size,
             seed=seed,
             shuffle=shuffle,
+            micro_batches=micro_batches,
         )
-        if self.sampler.local_batch % micro_batches:
-            raise KaisokuError(
-                f"per-rank batch {self.sampler.local_batch} is not divisible by train.grad_accum {micro_batches}"
-            )
-        self.micro_batches = micro_batches
         self.workers = workers
         self.ranks_per_node = ranks_per_node
         self.node = rank // ranks_per_node
@@ -154,8 +112,7 @@ class ShardLoader:
     @property
     def needs_exchange(self) -> bool:
         """True when epochs exchange samples between nodes (partial shuffle, Q > 0, several nodes)."""
-        spec = self.sampler.spec
-        return spec.name == "partial" and spec.exchange > 0 and spec.num_nodes > 1
+        return self.sampler.spec.exchanges
 
     def connect(self, *, run_token: str, exchange_group: Any = None) -> None:
         """Finish set-up once the process group exists: the token naming shared files, the exchange."""
@@ -174,8 +131,7 @@ class ShardLoader:
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
         """Prepare ``epoch`` from optimizer step ``start_step``: cache progress, exchange (collective)."""
-        self.sampler.set_epoch(epoch)
-        self.sampler.position = start_step * self.sampler.global_batch
+        self.sampler.set_epoch(epoch, start_step)
         self._consumed_steps = start_step
         if self.cache is None and self.cache_settings.enabled:
             self._start_cache()
@@ -195,6 +151,10 @@ class ShardLoader:
                 self._received = RecordStore.write(records, path)
         self.last_quality = self.quality(epoch)
 
+    def set_shard(self, shard: int, shards: int) -> None:
+        """Read data-parallel shard ``shard`` of ``shards`` from the next epoch pass on (a layout switch)."""
+        self.sampler.set_shard(shard, shards)
+
     def state_dict(self) -> dict[str, Any]:
         """The sampler's state at the steps training consumed (not where prefetching got to)."""
         return self.sampler.state_dict(steps_done=self._consumed_steps)
@@ -213,14 +173,14 @@ class ShardLoader:
             samples = _ExchangedSamples(self.dataset, self._received, epoch)
         loader = DataLoader(
             samples,
-            batch_sampler=_KeyedMicroBatches(self.sampler, self.micro_batches),
+            batch_sampler=KeyedMicroBatches(self.sampler),
             num_workers=self.workers,
             collate_fn=collate,
             pin_memory=self.pin_memory,
             prefetch_factor=4 if self.workers > 0 else None,
         )
         for k, batch in enumerate(loader):
-            if (k + 1) % self.micro_batches == 0:
+            if (k + 1) % self.sampler.micro_batches == 0:
                 self._consumed_steps += 1
                 if self.cache is not None:
                     self.cache.mark_progress(epoch, self._consumed_steps)
@@ -241,9 +201,9 @@ class ShardLoader:
             self.dataset.shard_paths(),
             ranks_per_node=self.ranks_per_node,
             ram_dir=Path(settings.ram_dir) / node_dir,
-            ram_capacity=parse_bytes(settings.ram_capacity),
+            ram_capacity=settings.ram_capacity,
             local_dir=Path(settings.local_dir).expanduser() / node_dir if settings.local_dir else None,
-            local_capacity=parse_bytes(settings.local_capacity),
+            local_capacity=settings.local_capacity,
             run_token=self.run_token,
             num_epochs=self.num_epochs,
             shard_bytes=self.dataset.shard_nbytes(),

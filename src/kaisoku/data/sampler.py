@@ -1,5 +1,10 @@
 """A rank's view of each epoch: its batches of sample indices, and exact mid-epoch resume.
 
+One sampler serves both data paths: a packed dataset (its shards and any shuffle) and an image folder
+(one "shard" of files, the global shuffle keyed as :attr:`ShuffleSpec.unpacked` says). It is what the
+trainer drives (``steps_per_epoch``, ``set_epoch``, ``state_dict``, ``set_shard``);
+:class:`KeyedMicroBatches` turns it into a DataLoader ``batch_sampler`` of ``(epoch, index)`` keys.
+
 Every global batch of ``B`` samples is cut into ``world_size`` contiguous slices of ``B / world_size``;
 rank ``r`` takes slice ``r`` (:func:`rank_batches`). With contiguous rank numbers per node, node ``n``'s
 ranks together take the node's columns of each global batch, which is what the ``partial`` shuffle fills.
@@ -39,7 +44,7 @@ def check_world(global_batch: int, world_size: int, spec: ShuffleSpec) -> None:
             f"{global_batch} / {world_size} = {global_batch / world_size:g} samples per rank; "
             "choose a global batch divisible by the number of ranks"
         )
-    if spec.name == "partial" and world_size % spec.num_nodes:
+    if spec.depends_on_nodes and world_size % spec.num_nodes:
         raise KaisokuError(
             f"world size {world_size} is not a multiple of the node count {spec.num_nodes}; "
             "every node needs the same number of ranks for the partial shuffle"
@@ -69,9 +74,10 @@ def shards_digest(shard_sizes: Any) -> str:
 class EpochSampler:
     """Rank ``rank``'s batches of sample indices, epoch by epoch, resumable mid-epoch on any world size.
 
-    Iterating yields the rank's remaining batches of the current epoch as lists of global sample indices
-    (usable as a DataLoader ``batch_sampler``); ``set_epoch`` moves to another epoch. Every rank gets the
-    same number of batches. ``state_dict`` is the same on every rank, so rank 0 saves it.
+    Iterating yields the rank's remaining batches of the current epoch as lists of global sample indices;
+    ``set_epoch`` moves to another epoch. Every rank gets the same number of batches. ``state_dict`` is
+    the same on every rank, so rank 0 saves it. ``micro_batches`` is the number of equal parts each rank
+    batch is cut into (gradient accumulation; see :class:`KeyedMicroBatches`).
     """
 
     def __init__(
@@ -83,6 +89,7 @@ class EpochSampler:
         world_size: int,
         seed: int,
         shuffle: ShuffleSpec | None = None,
+        micro_batches: int = 1,
     ) -> None:
         self.shard_sizes = as_shard_sizes(shard_sizes)
         self.global_batch = int(global_batch)
@@ -90,13 +97,19 @@ class EpochSampler:
         self.world_size = int(world_size)
         self.seed = int(seed)
         self.spec = shuffle if shuffle is not None else ShuffleSpec()
-        check_world(self.global_batch, self.world_size, self.spec)
-        if not 0 <= self.rank < self.world_size:
-            raise KaisokuError(f"rank {self.rank} is outside world size {self.world_size}")
+        self.micro_batches = int(micro_batches)
+        self._check_shard(self.rank, self.world_size)
+        if self.num_samples < self.global_batch:
+            raise KaisokuError(
+                f"the dataset has {self.num_samples} samples, fewer than one global batch of "
+                f"{self.global_batch}; lower data.global_batch or use a larger dataset"
+            )
         if self.seed < 0:
             raise KaisokuError(f"seed {self.seed} is negative; use a seed >= 0")
         self.epoch = 0
         self.position = 0
+        self.last_quality: float | None = None
+        """The current epoch's shuffle-quality score, where the loader computes one (None: not measured)."""
         # The saved spec of a resumed epoch, when it differs from the current one (other node count).
         self._epoch_specs: dict[int, ShuffleSpec] = {}
         self._orders: OrderedDict[int, np.ndarray] = OrderedDict()
@@ -112,6 +125,24 @@ class EpochSampler:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.RLock()
+
+    def _check_shard(self, shard: int, shards: int) -> None:
+        check_world(self.global_batch, shards, self.spec)
+        if not 0 <= shard < shards:
+            raise KaisokuError(f"rank {shard} is outside world size {shards}")
+        if self.micro_batches < 1 or (self.global_batch // shards) % self.micro_batches:
+            raise KaisokuError(
+                f"per-rank batch {self.global_batch // shards} is not divisible by "
+                f"train.grad_accum {self.micro_batches}"
+            )
+
+    def set_shard(self, shard: int, shards: int) -> None:
+        """Read data-parallel shard ``shard`` of ``shards`` from the next pass on (a parallel layout switch).
+
+        The global order does not change, only the slice of each global batch this rank takes.
+        """
+        self._check_shard(int(shard), int(shards))
+        self.rank, self.world_size = int(shard), int(shards)
 
     @property
     def local_batch(self) -> int:
@@ -135,7 +166,7 @@ class EpochSampler:
     def _epoch_order_locked(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
             spec = self.spec_for(epoch)
-            if spec.name == "partial":
+            if spec.depends_on_nodes:
                 order = self.partial_plan(epoch).global_order()
             else:
                 order = epoch_order(self.shard_sizes, self.seed, epoch, spec, self.global_batch)
@@ -147,7 +178,7 @@ class EpochSampler:
     def partial_plan(self, epoch: int) -> PartialPlan:
         """The ``partial`` plan of ``epoch`` (its node orders and the shards' home nodes)."""
         spec = self.spec_for(epoch)
-        if spec.name != "partial":
+        if not spec.depends_on_nodes:
             raise KaisokuError(f"epoch {epoch} uses the {spec.name} shuffle, not partial")
         with self._lock:
             return self._partial_plan_locked(epoch, spec)
@@ -179,19 +210,34 @@ class EpochSampler:
         the nodes that hold them, so the loader skips the exchange and reads them through the cache.
         """
         spec = self.spec_for(epoch)
-        return spec.name != "partial" or spec.num_nodes == self.spec.num_nodes
+        return not spec.depends_on_nodes or spec.num_nodes == self.spec.num_nodes
 
     def num_batches(self, epoch: int | None = None) -> int:
         """Steps in ``epoch`` (default: the current one); the same on every rank."""
         return len(self.epoch_order(self.epoch if epoch is None else epoch)) // self.global_batch
 
-    def set_epoch(self, epoch: int) -> None:
-        """Move to ``epoch`` from its start; the current epoch (e.g. a resumed one) keeps its position."""
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps in the current epoch."""
+        return self.num_batches()
+
+    def set_epoch(self, epoch: int, start_step: int | None = None) -> None:
+        """Move to ``epoch`` from optimizer step ``start_step``.
+
+        Without ``start_step``, another epoch starts at its beginning and the current one (e.g. a resumed
+        one) keeps its position.
+        """
         if epoch < 0:
             raise KaisokuError(f"epoch {epoch} is negative")
         if epoch != self.epoch:
             self.epoch = int(epoch)
             self.position = 0
+        if start_step is not None:
+            if not 0 <= start_step <= self.num_batches():
+                raise KaisokuError(
+                    f"start step {start_step} is outside epoch {epoch}'s {self.num_batches()} steps"
+                )
+            self.position = int(start_step) * self.global_batch
 
     @property
     def step(self) -> int:
@@ -249,6 +295,8 @@ class EpochSampler:
 
         Raises KaisokuError when the state belongs to another dataset, seed or global batch.
         """
+        if "version" not in state and "step" in state:
+            state = folder_state(state, self.world_size)
         if state.get("version") != STATE_VERSION:
             raise KaisokuError(
                 f"sampler state version {state.get('version')} is not {STATE_VERSION}; "
@@ -293,3 +341,39 @@ class EpochSampler:
                 f"sampler position {position} lies beyond epoch {self.epoch}'s "
                 f"{self.num_batches() * self.global_batch} samples"
             )
+
+
+def folder_state(state: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """The state saved by the image-folder sampler of earlier versions, in this sampler's format."""
+    return {
+        "version": STATE_VERSION,
+        "epoch": int(state["epoch"]),
+        "position": int(state["step"]) * int(state["global_batch"]),
+        "seed": state["seed"],
+        "world_size": world_size,
+        "global_batch": state["global_batch"],
+        "num_samples": state["num_samples"],
+        "num_shards": 1,
+        "shards_digest": shards_digest([state["num_samples"]]),
+        "shuffle": ShuffleSpec(unpacked=True).as_dict(),
+    }
+
+
+class KeyedMicroBatches:
+    """A DataLoader ``batch_sampler`` over an :class:`EpochSampler`: each rank batch of the current epoch
+    cut into ``sampler.micro_batches`` equal parts of ``(epoch, index)`` keys (augmentation is keyed by
+    both)."""
+
+    def __init__(self, sampler: EpochSampler) -> None:
+        self.sampler = sampler
+
+    def __len__(self) -> int:
+        return len(self.sampler) * self.sampler.micro_batches
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch = self.sampler.epoch
+        micro = self.sampler.micro_batches
+        for batch in self.sampler:
+            size = len(batch) // micro
+            for k in range(micro):
+                yield [(epoch, i) for i in batch[k * size : (k + 1) * size]]

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from kaisoku.errors import KaisokuError
+from kaisoku.errors import ConfigError, KaisokuError
 
 # Independent random streams: each use of randomness has its own tag in the seed sequence.
 _TAG_GLOBAL = 1
@@ -120,11 +120,15 @@ def _samples_of_shards(shards: np.ndarray, shard_sizes: np.ndarray) -> np.ndarra
     return np.repeat(offsets[shards] - run_starts, lengths) + np.arange(total, dtype=np.int64)
 
 
-def global_order(shard_sizes: Any, seed: int, epoch: int) -> np.ndarray:
-    """``global`` shuffle: a uniform random permutation of all samples, keyed by (seed, epoch)."""
+def global_order(shard_sizes: Any, seed: int, epoch: int, *, unpacked: bool = False) -> np.ndarray:
+    """``global`` shuffle: a uniform random permutation of all samples, keyed by (seed, epoch).
+
+    ``unpacked`` selects the image-folder key, (seed, epoch) without the packed stream's tag.
+    """
     _check_seed_epoch(seed, epoch)
     total = int(as_shard_sizes(shard_sizes).sum())
-    return _rng(seed, epoch, _TAG_GLOBAL).permutation(total).astype(np.int64)
+    rng = _rng(seed, epoch) if unpacked else _rng(seed, epoch, _TAG_GLOBAL)
+    return rng.permutation(total).astype(np.int64)
 
 
 def sequential_order(shard_sizes: Any) -> np.ndarray:
@@ -296,7 +300,12 @@ def partial_plan(
 
 @dataclass(frozen=True, kw_only=True)
 class ShuffleSpec:
-    """Which shuffle and its parameters: the part of the data config that decides the sample order."""
+    """Which shuffle and its parameters: the part of the data config that decides the sample order.
+
+    It checks itself on construction and raises :class:`ConfigError` naming the config key. Code outside
+    this module asks it what the order needs (:attr:`depends_on_nodes`, :attr:`partitioned`,
+    :attr:`exchanges`, :attr:`needs_shards`) rather than comparing shuffle names.
+    """
 
     name: str = "global"
     """One of ``SHUFFLES``: global, block or partial."""
@@ -308,18 +317,29 @@ class ShuffleSpec:
     """partial: fraction Q of each node's samples exchanged with other nodes every epoch."""
     num_nodes: int = 1
     """partial: node count the partition is built for (the world's node count)."""
+    unpacked: bool = False
+    """global: the order of an image folder read file by file, keyed by (seed, epoch) alone; a packed
+    dataset's global order is keyed by (seed, epoch) and its own stream tag. Both keys are kept so that
+    every run replays the order it always had."""
 
     def __post_init__(self) -> None:
         if self.name not in SHUFFLES:
-            raise KaisokuError(f"unknown shuffle {self.name!r}; choose one of {', '.join(sorted(SHUFFLES))}")
-        if self.block_shards < 1 or self.buffer_size < 0:
-            raise KaisokuError(
-                "block_shards must be >= 1 and buffer_size >= 0, "
-                f"got {self.block_shards} and {self.buffer_size}"
+            raise ConfigError(
+                f"data.shuffle must be one of {', '.join(sorted(SHUFFLES))} (got {self.name!r})"
             )
-        if not 0.0 <= self.exchange <= 1.0 or self.num_nodes < 1:
-            raise KaisokuError(
-                f"exchange must be in [0, 1] and num_nodes >= 1, got {self.exchange} and {self.num_nodes}"
+        if self.block_shards < 1:
+            raise ConfigError(f"data.block_shards must be >= 1 (got {self.block_shards})")
+        if self.buffer_size < 0:
+            raise ConfigError(f"data.buffer_size must be >= 0 (got {self.buffer_size})")
+        if not 0.0 <= self.exchange <= 1.0:
+            raise ConfigError(f"data.exchange must be in [0, 1] (got {self.exchange})")
+        if self.exchange > 0.0 and self.name != "partial":
+            raise ConfigError(f"data.exchange needs --data.shuffle partial (got {self.name})")
+        if self.num_nodes < 1:
+            raise ConfigError(f"the node count must be >= 1 (got {self.num_nodes})")
+        if self.unpacked and self.needs_shards:
+            raise ConfigError(
+                f"data.shuffle {self.name} needs a packed dataset; an image folder is global only"
             )
 
     def as_dict(self) -> dict[str, Any]:
@@ -328,12 +348,28 @@ class ShuffleSpec:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ShuffleSpec:
-        """Inverse of :meth:`as_dict`."""
+        """Inverse of :meth:`as_dict` (a state saved before ``unpacked`` existed reads as packed)."""
         return cls(**values)
 
+    @property
     def depends_on_nodes(self) -> bool:
         """Whether the order depends on the node count (only ``partial`` does)."""
         return self.name == "partial"
+
+    @property
+    def needs_shards(self) -> bool:
+        """Whether the order is built from shards (block, partial): only a packed dataset has them."""
+        return self.name != "global"
+
+    @property
+    def partitioned(self) -> bool:
+        """Whether each node reads only its home shards (``partial`` over several nodes)."""
+        return self.depends_on_nodes and self.num_nodes > 1
+
+    @property
+    def exchanges(self) -> bool:
+        """Whether epochs exchange samples between nodes (``partial``, Q > 0, several nodes)."""
+        return self.partitioned and self.exchange > 0.0
 
 
 ShuffleFn = Callable[[np.ndarray, int, int, ShuffleSpec, int], np.ndarray]
@@ -342,7 +378,7 @@ ShuffleFn = Callable[[np.ndarray, int, int, ShuffleSpec, int], np.ndarray]
 def _global(
     shard_sizes: np.ndarray, seed: int, epoch: int, spec: ShuffleSpec, global_batch: int
 ) -> np.ndarray:
-    return global_order(shard_sizes, seed, epoch)
+    return global_order(shard_sizes, seed, epoch, unpacked=spec.unpacked)
 
 
 def _block(

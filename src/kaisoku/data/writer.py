@@ -3,15 +3,10 @@
 Layouts:
 
 * ImageFolder ``SRC/<class>/**/<image>`` -> ``DST/index.json`` + ``DST/shard-*.kshard``; fields
-  ``image`` (the file's encoded bytes, kept as they are) and ``label`` (the class folder's position
-  in sorted order; the names go to the index's ``classes``). A tree of splits
-  ``SRC/{train,val,test}/<class>/...`` -> one dataset per split in ``DST/<split>/``, with one
-  label mapping for all splits.
-* ``.npz`` with ``x_<split>``/``y_<split>`` pairs -> one dataset per split in ``DST/<split>/``.
-  Each row of ``x`` is stored as a raw array (field ``image`` when it is a uint8 image of shape HW,
-  HW1 or HW3, else ``x``), each ``y`` as ``label`` (1-D integers) or an array ``y``. Raw arrays, not
-  PNG: they are exact for any dtype, cost nothing to decode (PNG decoding would dominate loading
-  of small images such as MNIST), and the zstd codec gives them PNG-like sizes.
+  ``image`` (the file's encoded bytes, kept as they are) and ``label``; a tree of splits -> one
+  dataset per split in ``DST/<split>/`` (the folder rules are :mod:`kaisoku.data.sources`').
+* ``.npz`` with ``x_<split>``/``y_<split>`` pairs -> one dataset per split in ``DST/<split>/``, rows
+  stored as raw arrays (:func:`kaisoku.data.sources.array_fields`).
 * An iterable of dicts (library API) -> ``DST/``, fields inferred from the first sample or given.
 
 Shards are cut when the next record would take a shard past ``shard_bytes`` of *logical* record
@@ -29,7 +24,6 @@ so a directory with an index is always complete.
 from __future__ import annotations
 
 import os
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,29 +32,23 @@ from typing import Any
 
 import numpy as np
 
-from kaisoku.data.codecs import check_image, get_codec, image_format
-from kaisoku.data.format import (
-    INDEX_NAME,
-    SHARD_SUFFIX,
-    Field,
-    Index,
-    RecordCodec,
-    ShardInfo,
-    parse_bytes,
-    shard_file_name,
-    split_dirs,
+from kaisoku.data.codecs import get_codec
+from kaisoku.data.format import INDEX_NAME, SHARD_SUFFIX, Field, Index, ShardInfo, split_dirs, write_shard
+from kaisoku.data.records import RecordCodec, encode_rows
+from kaisoku.data.sources import (
+    array_fields,
+    infer_fields,
+    npz_split,
+    npz_splits,
+    read_image,
+    scan_image_tree,
 )
 from kaisoku.errors import KaisokuError
-from kaisoku.fsutil import atomic_open, atomic_write_text
+from kaisoku.fsutil import atomic_write_text
+from kaisoku.units import parse_bytes
 
 DEFAULT_SHARD_BYTES = 64 * 1024**2
 """Default target shard size: large sequential reads, small enough to stage and evict one by one."""
-
-SPLIT_NAMES = ("train", "val", "valid", "validation", "test")
-"""Folder names that make an ImageFolder source a tree of splits (``SRC/<split>/<class>/...``)."""
-
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".pgm", ".bmp", ".tif", ".tiff", ".webp", ".gif")
-"""File extensions (any case) taken as images in an ImageFolder tree; other files are ignored."""
 
 _RECORD_WINDOW = 2  # shard tasks in flight per worker: bounds memory, keeps workers busy
 
@@ -107,30 +95,6 @@ class _ShardResult:
     skipped: list[str] = field(default_factory=list)
 
 
-def write_shard(directory: Path, shard_id: int, records: Sequence[bytes]) -> ShardInfo:
-    """Write ``records`` back to back into shard ``shard_id`` under ``directory``, atomically."""
-    name = shard_file_name(shard_id)
-    offsets = np.zeros(len(records) + 1, dtype=np.int64)
-    record_crc = np.zeros(len(records), dtype=np.uint32)
-    file_crc = 0
-    position = 0
-    with atomic_open(directory / name, "wb") as handle:
-        for i, record in enumerate(records):
-            handle.write(record)
-            record_crc[i] = zlib.crc32(record)
-            file_crc = zlib.crc32(record, file_crc)
-            position += len(record)
-            offsets[i + 1] = position
-    return ShardInfo(
-        file=name,
-        samples=len(records),
-        nbytes=position,
-        crc32=file_crc,
-        offsets=offsets,
-        record_crc32=record_crc,
-    )
-
-
 def _int_columns(fields: Sequence[Field]) -> dict[str, list[int]]:
     return {f.name: [] for f in fields if f.kind == "int"}
 
@@ -153,18 +117,7 @@ def _pack_folder_shard(task: _FolderTask) -> _ShardResult:
     labels: list[int] = []
     skipped: list[str] = []
     for relative, label in task.items:
-        path = task.root / relative
-        problem = None
-        try:
-            data = path.read_bytes()
-        except OSError as error:
-            problem = f"cannot read image {path}: {error.strerror or error}"
-        else:
-            if task.verify_images:
-                try:
-                    check_image(data, name=str(path))
-                except KaisokuError as error:
-                    problem = str(error)
+        data, problem = read_image(task.root / relative, verify=task.verify_images)
         if problem is not None:
             if task.skip_corrupt:
                 skipped.append(relative)
@@ -187,19 +140,7 @@ class _ArrayTask:
 
 
 def _pack_array_shard(task: _ArrayTask) -> _ShardResult:
-    encoder = RecordCodec(task.fields, task.codec)
-    count = len(next(iter(task.columns.values())))
-    records = []
-    ints = _int_columns(task.fields)
-    for i in range(count):
-        sample = {}
-        for f in task.fields:
-            value = task.columns[f.name][i]
-            if f.kind == "int":
-                value = int(value)
-                ints[f.name].append(value)
-            sample[f.name] = value
-        records.append(encoder.encode(sample)[0])
+    records, ints = encode_rows(RecordCodec(task.fields, task.codec), task.columns)
     return _ShardResult(info=write_shard(task.directory, task.shard_id, records), columns=ints)
 
 
@@ -383,65 +324,6 @@ def _check_args(shard_bytes: int, codec: str, workers: int | None) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _class_folders(root: Path) -> list[str]:
-    return sorted(
-        entry.name for entry in os.scandir(root) if entry.is_dir() and not entry.name.startswith(".")
-    )
-
-
-def image_folder_splits(root: Path) -> list[str]:
-    """The split folders of ``root`` when every folder in it is a split name (train, val, ...), else []."""
-    if not root.is_dir():
-        return []
-    folders = _class_folders(root)
-    return folders if folders and all(name in SPLIT_NAMES for name in folders) else []
-
-
-def scan_image_folder(
-    root: Path, classes: Sequence[str] | None = None
-) -> tuple[list[str], list[tuple[str, int, int]]]:
-    """Class names (sorted) and ``(relative path, label, file size)`` of every image under ``root``.
-
-    ``classes`` fixes the label mapping (shared by the splits of a tree); a class folder it names
-    may then be absent. Hidden files and folders are ignored, and so are files without an image
-    extension. A tree without class folders or images, or a class folder without images, is an
-    error naming the folder.
-    """
-    if not root.is_dir():
-        raise KaisokuError(f"source {root} is not a directory")
-    names = list(classes) if classes is not None else _class_folders(root)
-    if not names:
-        raise KaisokuError(
-            f"source {root} has no class folders; an ImageFolder tree is SRC/<class>/<image files>"
-        )
-    items: list[tuple[str, int, int]] = []
-    for label, name in enumerate(names):
-        if classes is not None and not (root / name).is_dir():
-            continue
-        found = 0
-        for directory, subdirs, files in os.walk(root / name, followlinks=True):
-            subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
-            base = Path(directory)
-            for file_name in sorted(files):
-                if file_name.startswith(".") or not file_name.lower().endswith(IMAGE_EXTENSIONS):
-                    continue
-                path = base / file_name
-                try:
-                    size = path.stat().st_size
-                except OSError as error:
-                    raise KaisokuError(f"cannot read image {path}: {error.strerror or error}") from None
-                items.append((path.relative_to(root).as_posix(), label, size))
-                found += 1
-        if found == 0:
-            raise KaisokuError(
-                f"class folder {root / name} holds no images ({', '.join(IMAGE_EXTENSIONS)}); "
-                "add images or remove the folder"
-            )
-    if not items:
-        raise KaisokuError(f"source {root} holds no images")
-    return names, items
-
-
 def pack_image_folder(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -474,17 +356,13 @@ def pack_image_folder(
         "skip_corrupt": skip_corrupt,
         "verify_images": verify_images,
     }
-    splits = image_folder_splits(root)
-    if not splits:
-        classes, items = scan_image_folder(root)
-        _prepare_destination(directory, root, overwrite)
-        return _pack_folder(root, directory, classes, items, **options)
-    classes = sorted({name for split in splits for name in _class_folders(root / split)})
-    scanned = {split: scan_image_folder(root / split, classes)[1] for split in splits}
+    tree = scan_image_tree(root)
     _prepare_destination(directory, root, overwrite)
+    if "" in tree.splits:
+        return _pack_folder(root, directory, tree.classes, tree.splits[""], **options)
     return {
-        split: _pack_folder(root / split, directory / split, classes, items, **options)
-        for split, items in scanned.items()
+        split: _pack_folder(root / split, directory / split, tree.classes, items, **options)
+        for split, items in tree.splits.items()
     }
 
 
@@ -535,39 +413,6 @@ def _pack_folder(
         )
 
 
-def _array_fields(x: np.ndarray, y: np.ndarray) -> tuple[Field, Field]:
-    row = x.shape[1:]
-    is_image = x.dtype == np.uint8 and (len(row) == 2 or (len(row) == 3 and row[2] in (1, 3)))
-    x_field = Field(name="image" if is_image else "x", kind="array", dtype=x.dtype.str, shape=tuple(row))
-    if y.ndim == 1 and np.issubdtype(y.dtype, np.integer):
-        y_field = Field(name="label", kind="int")
-    else:
-        y_field = Field(name="y", kind="array", dtype=y.dtype.str, shape=tuple(y.shape[1:]))
-    return x_field, y_field
-
-
-def npz_splits(path: Path) -> dict[str, tuple[str, str]]:
-    """The ``x_<split>``/``y_<split>`` key pairs of a ``.npz``, by split name, checked for completeness."""
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            keys = list(archive.files)
-    except (OSError, ValueError) as error:
-        raise KaisokuError(f"cannot read {path} as a .npz archive: {error}") from None
-    xs = {k[2:]: k for k in keys if k.startswith("x_") and len(k) > 2}
-    ys = {k[2:]: k for k in keys if k.startswith("y_") and len(k) > 2}
-    if not xs and not ys:
-        raise KaisokuError(
-            f"{path} has no x_<split>/y_<split> arrays (found {', '.join(keys) or 'nothing'}); "
-            "name them e.g. x_train and y_train"
-        )
-    unpaired = sorted(set(xs) ^ set(ys))
-    if unpaired:
-        raise KaisokuError(
-            f"{path}: split(s) {', '.join(unpaired)} have x_ without y_ or y_ without x_; give both arrays"
-        )
-    return {split: (xs[split], ys[split]) for split in sorted(xs)}
-
-
 def pack_npz(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -588,18 +433,8 @@ def pack_npz(
     indexes: dict[str, Index] = {}
     with np.load(path, allow_pickle=False) as archive:
         for split, (x_key, y_key) in splits.items():
-            try:
-                x, y = archive[x_key], archive[y_key]
-            except ValueError as error:
-                raise KaisokuError(f"{path}: cannot load {x_key}/{y_key} without pickle: {error}") from None
-            if x.ndim < 1 or y.ndim < 1 or len(x) != len(y):
-                raise KaisokuError(
-                    f"{path}: {x_key} has {len(x) if x.ndim else 0} rows but {y_key} has "
-                    f"{len(y) if y.ndim else 0}; they must match"
-                )
-            if len(x) == 0:
-                raise KaisokuError(f"{path}: split {split!r} is empty")
-            fields = _array_fields(x, y)
+            x, y = npz_split(path, archive, split, x_key, y_key)
+            fields = array_fields(x, y)
             encoder = RecordCodec(fields, codec)
             row_sizes = {
                 f.name: int(np.prod(f.shape)) * np.dtype(f.dtype).itemsize for f in fields if f.dtype
@@ -634,34 +469,6 @@ def pack_npz(
                     progress=bar,
                 )
     return indexes
-
-
-def infer_fields(sample: Mapping[str, Any]) -> tuple[Field, ...]:
-    """A schema for samples like ``sample``: int -> int, str -> str, JPEG/PNG bytes -> image, other
-    bytes -> bytes, numpy arrays and scalars -> array (dtype and shape of this sample)."""
-    if not isinstance(sample, Mapping) or not sample:
-        raise KaisokuError(
-            f"samples must be non-empty dicts of field name -> value, got {type(sample).__name__}"
-        )
-    fields = []
-    for name, value in sample.items():
-        if isinstance(value, bool | np.bool_):
-            raise KaisokuError(f"field {name!r} is a bool; store it as an int")
-        if isinstance(value, int | np.integer):
-            fields.append(Field(name=name, kind="int"))
-        elif isinstance(value, str):
-            fields.append(Field(name=name, kind="str"))
-        elif isinstance(value, bytes | bytearray | memoryview):
-            kind = "image" if image_format(value) is not None else "bytes"
-            fields.append(Field(name=name, kind=kind))
-        elif isinstance(value, np.ndarray | np.generic):
-            array = np.asarray(value)
-            fields.append(Field(name=name, kind="array", dtype=array.dtype.str, shape=tuple(array.shape)))
-        else:
-            raise KaisokuError(
-                f"field {name!r} holds a {type(value).__name__}; use int, str, bytes or numpy arrays"
-            )
-    return tuple(fields)
 
 
 def pack_records(

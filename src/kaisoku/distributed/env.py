@@ -207,3 +207,26 @@ def shared_token() -> str:
     import uuid
 
     return str(broadcast_object(uuid.uuid4().hex[:12]))
+
+
+def data_parallel_group() -> dist.ProcessGroup | None:
+    """The group plain data parallelism (DDP, K-FAC's factor averaging) runs over: every rank's.
+
+    None before a group is joined or with a single rank: nothing to communicate.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.group.WORLD
+
+
+def default_nproc() -> int:
+    """Ranks kaisoku starts on this node when ``dist.nproc`` is 0: one per GPU, else 2 CPU ranks."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def planned_world_size(nproc: int) -> int:
+    """The world size a run will have: the launcher's inside torchrun or a Slurm step, else ``nproc`` ranks
+    on this node (``0``: :func:`default_nproc`)."""
+    if inside_torchrun() or inside_slurm_step():
+        return world_from_env().world_size
+    return nproc or default_nproc()

@@ -9,11 +9,11 @@ node this is the usual row-major order (``rank = dp_index * pp + pp_index``).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kaisoku.errors import ConfigError, KaisokuError
+from kaisoku.distributed.layout import ParallelLayout
+from kaisoku.errors import KaisokuError
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -21,68 +21,6 @@ if TYPE_CHECKING:
 
 #: Names of the mesh dimensions, outermost first.
 MESH_DIM_NAMES: tuple[str, str] = ("dp", "pp")
-
-_LAYOUT_TEXT = re.compile(r"^(?:dp(?P<dp>\d+))?(?:x?pp(?P<pp>\d+))?$")
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """Parallel degrees: ``dp`` data-parallel replicas of a pipeline with ``pp`` stages.
-
-    ``dp * pp`` must equal the world size (see :meth:`check_world`).
-    """
-
-    dp: int = 1
-    pp: int = 1
-
-    def __post_init__(self) -> None:
-        for name, value in (("dp", self.dp), ("pp", self.pp)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"parallel.{name} must be a positive integer, got {value!r}")
-
-    @property
-    def world_size(self) -> int:
-        """The number of ranks this layout occupies: ``dp * pp``."""
-        return self.dp * self.pp
-
-    def check_world(self, world_size: int) -> None:
-        """Raise a one-line :class:`ConfigError` unless ``dp * pp == world_size``."""
-        if self.world_size != world_size:
-            raise ConfigError(
-                f"parallel layout dp {self.dp} x pp {self.pp} = {self.world_size} but the world has "
-                f"{world_size} ranks; choose parallel.dp and parallel.pp whose product is {world_size}"
-            )
-
-    @classmethod
-    def resolve(cls, world_size: int, dp: int = -1, pp: int = 1) -> ParallelLayout:
-        """The layout for ``world_size`` ranks; ``dp = -1`` means "the ranks left": ``world_size // pp``."""
-        if dp == -1:
-            if pp < 1 or world_size % pp != 0:
-                raise ConfigError(
-                    f"parallel.pp {pp} does not divide the world of {world_size} ranks; "
-                    f"choose a pp that divides {world_size}"
-                )
-            dp = world_size // pp
-        layout = cls(dp=dp, pp=pp)
-        layout.check_world(world_size)
-        return layout
-
-    @classmethod
-    def parse(cls, text: str) -> ParallelLayout:
-        """Read ``"dp2xpp2"``, ``"dp4"`` or ``"pp4"`` (a missing degree is 1)."""
-        match = _LAYOUT_TEXT.match(text.strip().lower())
-        if match is None or (match["dp"] is None and match["pp"] is None):
-            raise ConfigError(
-                f"cannot read parallel layout '{text}'; write it like 'dp2xpp2', 'dp4' or 'pp4'"
-            )
-        return cls(dp=int(match["dp"] or 1), pp=int(match["pp"] or 1))
-
-    def __str__(self) -> str:
-        if self.pp == 1:
-            return f"dp{self.dp}"
-        if self.dp == 1:
-            return f"pp{self.pp}"
-        return f"dp{self.dp}xpp{self.pp}"
 
 
 def rank_grid(layout: ParallelLayout, ranks_per_node: int | None = None) -> list[list[int]]:

@@ -26,10 +26,7 @@ replica batch without stalling the pipeline):
 
 from __future__ import annotations
 
-import math
-import statistics
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +35,14 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from kaisoku.distributed.layout import check_schedule
 from kaisoku.distributed.mesh import ParallelMesh
+from kaisoku.distributed.named_state import (
+    load_named_optimizer_state,
+    merge_named_optimizer_states,
+    named_optimizer_state,
+)
+from kaisoku.distributed.partition import measure_block_costs, parameter_costs, partition_blocks
 from kaisoku.errors import ConfigError, KaisokuError
 from kaisoku.models.blocks import check_blocks_cover, ordered_blocks, state_names
 
@@ -46,8 +50,6 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 #: Builds the optimizer of one rank from ``(name, parameter)`` pairs named as in the full model.
 OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
 
-#: Schedule names accepted by ``parallel.schedule``.
-SCHEDULE_NAMES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
 #: Ways to weigh blocks when splitting a model into stages.
 BALANCE_NAMES: tuple[str, ...] = ("parameters", "time")
 
@@ -57,96 +59,6 @@ _BASE_MOMENTUM = "_kaisoku_base_momentum"
 # --------------------------------------------------------------------------------------------------
 # Pure pieces: partition, micro-batch checks, BatchNorm momentum.
 # --------------------------------------------------------------------------------------------------
-
-
-def partition_blocks(costs: Sequence[float], num_stages: int) -> list[range]:
-    """Split blocks with ``costs`` into ``num_stages`` contiguous, non-empty stages.
-
-    Minimises the largest stage cost; among splits that reach it, prefers the smaller sum of squared
-    stage costs (so blocks that cost nothing do not all pile onto one stage). Deterministic.
-    """
-    n = len(costs)
-    if num_stages < 1:
-        raise ConfigError(f"the number of pipeline stages must be at least 1, got {num_stages}")
-    if num_stages > n:
-        raise ConfigError(
-            f"cannot split {n} blocks into {num_stages} pipeline stages; "
-            f"use at most {n} stages (parallel.pp x virtual stages)"
-        )
-    prefix = [0.0]
-    for cost in costs:
-        if cost < 0 or not math.isfinite(cost):
-            raise KaisokuError(f"block costs must be finite and non-negative, got {cost}")
-        prefix.append(prefix[-1] + float(cost))
-    inf = (math.inf, math.inf)
-    # best[k][i]: (largest stage cost, sum of squares) of the first i blocks in k stages; cut[k][i]: start of
-    # the last stage.
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = (0.0, 0.0)
-    for k in range(1, num_stages + 1):
-        for i in range(k, n - (num_stages - k) + 1):
-            for j in range(k - 1, i):
-                prev = best[k - 1][j]
-                if prev[0] == math.inf:
-                    continue
-                stage = prefix[i] - prefix[j]
-                candidate = (max(prev[0], stage), prev[1] + stage * stage)
-                if candidate < best[k][i]:
-                    best[k][i] = candidate
-                    cut[k][i] = j
-    bounds = [n]
-    for k in range(num_stages, 0, -1):
-        bounds.append(cut[k][bounds[-1]])
-    bounds.reverse()
-    return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
-
-
-def parameter_costs(blocks: Sequence[nn.Module]) -> list[float]:
-    """Each block's number of parameter elements (a parameter shared by blocks counts in the first)."""
-    seen: set[int] = set()
-    costs = []
-    for block in blocks:
-        total = 0
-        for p in block.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel()
-        costs.append(float(total))
-    return costs
-
-
-def measure_block_costs(
-    blocks: Sequence[nn.Module], example_input: torch.Tensor, repeats: int = 3
-) -> list[float]:
-    """Median seconds of forward + backward of each block on ``example_input`` flowing through the blocks.
-
-    Buffers (BatchNorm running statistics) are restored and gradients cleared afterwards, so measuring
-    leaves the model as it was.
-    """
-    buffers = [b for block in blocks for b in block.buffers()]
-    saved = [b.detach().clone() for b in buffers]
-    x = example_input
-    costs: list[float] = []
-    for block in blocks:
-        times = []
-        out = x
-        for _ in range(max(1, repeats)):
-            inp = x.detach().requires_grad_(x.is_floating_point())
-            start = time.perf_counter()
-            out = block(inp)
-            if out.requires_grad:
-                out.backward(torch.ones_like(out))
-            times.append(time.perf_counter() - start)
-        costs.append(statistics.median(times))
-        x = out.detach()
-    with torch.no_grad():
-        for buffer, value in zip(buffers, saved):
-            buffer.copy_(value)
-    for block in blocks:
-        for p in block.parameters():
-            p.grad = None
-    return costs
 
 
 def check_microbatches(batch_size: int, microbatches: int) -> int:
@@ -170,33 +82,6 @@ def replica_batch_slice(global_batch: int, dp_index: int, dp_size: int) -> slice
         )
     size = global_batch // dp_size
     return slice(dp_index * size, (dp_index + 1) * size)
-
-
-def check_schedule(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> None:
-    """One-line errors for a schedule the torch schedules would reject later, mid-run."""
-    if schedule not in SCHEDULE_NAMES:
-        raise ConfigError(
-            f"unknown parallel.schedule '{schedule}'; choose one of: {', '.join(SCHEDULE_NAMES)}"
-        )
-    if microbatches < 1:
-        raise ConfigError(f"parallel.microbatches must be at least 1, got {microbatches}")
-    if virtual_stages < 1:
-        raise ConfigError(f"parallel.virtual_stages must be at least 1, got {virtual_stages}")
-    if virtual_stages > 1 and schedule != "interleaved-1f1b":
-        raise ConfigError(
-            f"parallel.virtual_stages {virtual_stages} needs parallel.schedule 'interleaved-1f1b', not '{schedule}'"
-        )
-    if pp > 1 and schedule == "1f1b" and microbatches < pp:
-        raise ConfigError(
-            f"schedule 1f1b needs at least pp {pp} micro-batches, got parallel.microbatches {microbatches}"
-        )
-    if pp > 1 and schedule == "interleaved-1f1b":
-        rounds = max(1, microbatches // pp)
-        if microbatches % rounds != 0:
-            raise ConfigError(
-                f"schedule interleaved-1f1b runs {microbatches} micro-batches in {rounds} rounds of pp {pp}; "
-                f"choose parallel.microbatches as a multiple of {pp} or at most {pp}"
-            )
 
 
 def microbatch_momentum(momentum: float, microbatches: int) -> float:
@@ -227,100 +112,6 @@ def restore_batchnorm_momentum(module: nn.Module) -> None:
         if isinstance(bn, nn.modules.batchnorm._BatchNorm) and hasattr(bn, _BASE_MOMENTUM):
             bn.momentum = getattr(bn, _BASE_MOMENTUM)
             delattr(bn, _BASE_MOMENTUM)
-
-
-# --------------------------------------------------------------------------------------------------
-# Named optimizer state: the layout-independent form.
-# --------------------------------------------------------------------------------------------------
-
-
-def named_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with parameters named as in the full model instead of numbered.
-
-    Tensors are copied to the CPU, so the form is a snapshot that later steps do not change.
-    """
-    raw = optimizer.state_dict()
-    index_to_name: dict[int, str] = {}
-    index = 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            index_to_name[index] = names[id(p)]
-            index += 1
-    groups = []
-    for raw_group in raw["param_groups"]:
-        # "params" become names; an optimizer built from named parameters also lists them in
-        # "param_names", which would be wrong for another layout's groups, so it is left out.
-        hyper = {key: value for key, value in raw_group.items() if key not in ("params", "param_names")}
-        groups.append({**hyper, "params": [index_to_name[i] for i in raw_group["params"]]})
-    state = {
-        index_to_name[i]: {key: _snapshot(value) for key, value in per_param.items()}
-        for i, per_param in raw["state"].items()
-    }
-    return {"state": state, "param_groups": groups}
-
-
-def _snapshot(value: Any) -> Any:
-    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
-
-
-def load_named_optimizer_state(
-    optimizer: torch.optim.Optimizer, named: dict[str, Any], names: dict[int, str]
-) -> None:
-    """Load a :func:`named_optimizer_state` form (of this stage or of the whole model) into ``optimizer``.
-
-    Each of the optimizer's groups takes its hyperparameters from the saved group that holds its first
-    parameter; every parameter takes its saved state by name.
-    """
-    group_of = {name: group for group in named["param_groups"] for name in group["params"]}
-    groups = []
-    state: dict[int, Any] = {}
-    index = 0
-    for group in optimizer.param_groups:
-        group_names = [names[id(p)] for p in group["params"]]
-        source = group_of.get(group_names[0], group) if group_names else group
-        hyper = {key: value for key, value in source.items() if key not in ("params", "param_names")}
-        if "param_names" in group:
-            hyper["param_names"] = list(group["param_names"])
-        ids = list(range(index, index + len(group_names)))
-        index += len(group_names)
-        groups.append({**hyper, "params": ids})
-        for i, name in zip(ids, group_names):
-            if name in named["state"]:
-                state[i] = named["state"][name]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
-def _hyper_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    keys = set(a) - {"params"}
-    if keys != set(b) - {"params"}:
-        return False
-    for key in keys:
-        x, y = a[key], b[key]
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)):
-                return False
-        elif x != y:
-            return False
-    return True
-
-
-def merge_named_optimizer_states(parts: Iterable[dict[str, Any]], order: Sequence[str]) -> dict[str, Any]:
-    """One named form from the stages' forms: groups with equal hyperparameters merged, names in ``order``."""
-    rank_of = {name: i for i, name in enumerate(order)}
-    state: dict[str, Any] = {}
-    groups: list[dict[str, Any]] = []
-    for part in parts:
-        state.update(part["state"])
-        for group in part["param_groups"]:
-            same = next((g for g in groups if _hyper_equal(g, group)), None)
-            if same is None:
-                groups.append({**group, "params": list(group["params"])})
-            else:
-                same["params"].extend(group["params"])
-    for group in groups:
-        group["params"].sort(key=lambda name: rank_of.get(name, len(rank_of)))
-    ordered_state = {name: state[name] for name in sorted(state, key=lambda n: rank_of.get(n, len(rank_of)))}
-    return {"state": ordered_state, "param_groups": groups}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -12,119 +12,25 @@ keyed by the same names, so a checkpoint written under one layout loads under an
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kaisoku.distributed.mesh import ParallelLayout, ParallelMesh, build_mesh
+from kaisoku.distributed.layout import (  # noqa: F401  (the schedule's public home is layout.py)
+    SWITCH_UNITS,
+    ParallelLayout,
+    SwitchSchedule,
+    SwitchSegment,
+    parse_switch_schedule,
+)
+from kaisoku.distributed.mesh import ParallelMesh, build_mesh
 from kaisoku.distributed.pipeline import HybridParallel
-from kaisoku.errors import ConfigError, KaisokuError
+from kaisoku.errors import KaisokuError
 from kaisoku.fsutil import atomic_open
 
 #: Written into every layout-independent checkpoint; a loader refuses other formats.
 CHECKPOINT_FORMAT = "kaisoku.layout-independent/1"
-#: Units a switch schedule counts in.
-SWITCH_UNITS: tuple[str, ...] = ("epoch", "step")
-
-_SEGMENT = re.compile(r"^(?P<layout>[a-z0-9]+)(?::(?P<start>\d+)-(?P<end>\d*))?$")
-
-
-@dataclass(frozen=True)
-class SwitchSegment:
-    """One layout for the half-open range ``[start, end)``; ``end`` None runs to the end of training."""
-
-    layout: ParallelLayout
-    start: int
-    end: int | None
-
-    def __str__(self) -> str:
-        return f"{self.layout}:{self.start}-{'' if self.end is None else self.end}"
-
-
-@dataclass(frozen=True)
-class SwitchSchedule:
-    """Contiguous segments from 0 whose last is open-ended, counted in ``unit`` (epochs or steps)."""
-
-    segments: tuple[SwitchSegment, ...]
-    unit: str = "epoch"
-
-    def layout_at(self, index: int) -> ParallelLayout:
-        """The layout that trains epoch (or step) ``index``."""
-        if index < 0:
-            raise KaisokuError(f"{self.unit} {index} is negative")
-        for segment in self.segments:
-            if segment.end is None or index < segment.end:
-                return segment.layout
-        raise AssertionError("unreachable: the last segment is open-ended")
-
-    def switch_at(self, index: int) -> ParallelLayout | None:
-        """The new layout if a segment other than the first starts at ``index``, else None."""
-        for segment in self.segments[1:]:
-            if segment.start == index:
-                return segment.layout
-        return None
-
-    @property
-    def switch_points(self) -> list[int]:
-        """The epochs (or steps) at which the layout changes."""
-        return [segment.start for segment in self.segments[1:]]
-
-    def check_world(self, world_size: int) -> None:
-        """Every layout of the schedule must fill ``world_size`` ranks."""
-        for segment in self.segments:
-            segment.layout.check_world(world_size)
-
-    def __str__(self) -> str:
-        return ",".join(str(segment) for segment in self.segments)
-
-
-def parse_switch_schedule(text: str, unit: str = "epoch") -> SwitchSchedule:
-    """Read ``"LAYOUT:START-END,...,LAYOUT:START-"`` (``LAYOUT`` as ``dp2xpp2``, ``dp4``, ``pp4``).
-
-    Ranges are half-open and counted in ``unit`` ("epoch" or "step"); they start at 0, follow one another
-    without gap or overlap, and only the last is open-ended. A single layout without a range (``"dp4"``)
-    means that layout throughout.
-    """
-    option = "parallel.switch"
-    if unit not in SWITCH_UNITS:
-        raise ConfigError(f"unknown parallel.switch_unit '{unit}'; choose one of: {', '.join(SWITCH_UNITS)}")
-    parts = [part.strip() for part in text.replace(" ", "").lower().split(",")]
-    if not text.strip() or any(not part for part in parts):
-        raise ConfigError(f"{option} '{text}' has an empty segment; write it like 'dp2xpp2:0-10,dp4:10-'")
-    segments: list[SwitchSegment] = []
-    expected_start = 0
-    for number, part in enumerate(parts):
-        match = _SEGMENT.match(part)
-        if match is None:
-            raise ConfigError(f"{option} segment '{part}' should read LAYOUT:START-END, like 'dp2xpp2:0-10'")
-        layout = ParallelLayout.parse(match["layout"])
-        last = number == len(parts) - 1
-        if match["start"] is None:
-            if len(parts) != 1:
-                raise ConfigError(
-                    f"{option} segment '{part}' needs a range ({unit}s START-END) beside others"
-                )
-            return SwitchSchedule((SwitchSegment(layout, 0, None),), unit)
-        start = int(match["start"])
-        end = int(match["end"]) if match["end"] else None
-        if start != expected_start:
-            what = "start at 0" if number == 0 else f"start where the previous ended, at {expected_start}"
-            raise ConfigError(f"{option} segment '{part}' should {what} ({unit}s)")
-        if end is None and not last:
-            raise ConfigError(f"{option} segment '{part}' is open-ended but is not the last")
-        if end is not None and last:
-            raise ConfigError(
-                f"{option} last segment '{part}' must be open-ended ('{layout}:{start}-') "
-                f"so that every {unit} has a layout"
-            )
-        if end is not None and end <= start:
-            raise ConfigError(f"{option} segment '{part}' ends at {end}, not after its start {start}")
-        segments.append(SwitchSegment(layout, start, end))
-        expected_start = end if end is not None else start
-    return SwitchSchedule(tuple(segments), unit)
 
 
 def switch_layout(

@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +17,14 @@ from kaisoku.config import Config, to_dict
 from kaisoku.data.loader import ShardLoader
 from kaisoku.distributed import env
 from kaisoku.distributed.data_parallel import BucketPlan, wrap_ddp
-from kaisoku.distributed.mesh import ParallelLayout
-from kaisoku.engine import hybrid
+from kaisoku.distributed.layout import resolve_schedule
+from kaisoku.distributed.mesh import rank_coordinates
+from kaisoku.distributed.pipeline import HybridOptions
 from kaisoku.engine.checkpoint import CheckpointManager
-from kaisoku.engine.data_build import build_data
+from kaisoku.engine.data_build import build_data, dataset_root
+from kaisoku.engine.hybrid import HybridStep
 from kaisoku.engine.metrics import MetricsLogger, print_summary
+from kaisoku.engine.step import DataParallelStep, Precision, Preconditioner, StepEngine
 from kaisoku.engine.trainer import Trainer, TrainSettings, steps_for
 from kaisoku.models.zoo import build_model
 from kaisoku.optim.factory import build_optimizer, build_optimizer_from_named, build_scheduler
@@ -29,19 +34,23 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
     """Every part of the run, built and wired; the process group is joined on the way.
 
     Joining the group starts first, in the background (``dist.eager_init``), and overlaps reading the
-    dataset's index and building the model and optimizer.
+    dataset's index and building the model and optimizer. The config was validated (layouts included)
+    when it was read; here the layouts are only resolved on this world.
     """
     device = env.pick_device(cfg.train.device, world)
-    # Hybrid (pipeline / switch-parallel) layouts are checked against the world before anything starts.
-    switch_schedule = hybrid.resolve_schedule(cfg, world.world_size) if cfg.parallel.hybrid else None
-    if switch_schedule is None and cfg.parallel.dp != -1:
-        ParallelLayout.resolve(world.world_size, dp=cfg.parallel.dp, pp=cfg.parallel.pp)
+    par = cfg.parallel
+    schedule = resolve_schedule(
+        world.world_size, dp=par.dp, pp=par.pp, switch=par.switch, unit=par.switch_unit
+    )
+    hybrid = par.hybrid
     pg_init = env.ProcessGroupInit(world, device, cfg.dist.timeout, background=cfg.dist.eager_init)
     build_start = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
     shard = None
-    if switch_schedule is not None:
-        shard = hybrid.data_shard(world.rank, switch_schedule.layout_at(0), world.local_world_size)
+    if hybrid:
+        # Under hybrid parallelism the sampler reads the replica's shard: (dp index, dp).
+        dp_index, _ = rank_coordinates(world.rank, schedule.layout_at(0), world.local_world_size)
+        shard = (dp_index, schedule.layout_at(0).dp)
     data = build_data(cfg, world, device, shard=shard)
     model = build_model(
         cfg.model.name,
@@ -51,14 +60,12 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
         bn_momentum=cfg.model.bn_momentum,
         in_channels=data.in_channels,
     ).to(device)
-    if switch_schedule is not None:
-        hybrid.check_model_stages(model, switch_schedule, cfg.parallel.virtual_stages)
     # Pipeline stages send plain contiguous activations: channels-last only on the DDP path.
-    channels_last = device.type == "cuda" and switch_schedule is None
+    channels_last = device.type == "cuda" and not hybrid
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     # Under hybrid parallelism each rank's optimizer covers its stage only; the engine builds it.
-    optimizer = build_optimizer(model, cfg.optim) if switch_schedule is None else None
+    optimizer = None if hybrid else build_optimizer(model, cfg.optim)
     build_seconds = time.perf_counter() - build_start
     wait_start = time.perf_counter()
     pg_init.wait()
@@ -69,36 +76,6 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
             run_token=env.shared_token(),
             exchange_group=env.cpu_collective_group() if data.train_loader.needs_exchange else None,
         )
-    if world.distributed and switch_schedule is None:
-        plan = BucketPlan(
-            mode=cfg.dist.buckets,
-            first_mb=cfg.dist.first_bucket_mb,
-            cap_mb=cfg.dist.bucket_cap_mb,
-            growth=cfg.dist.bucket_growth,
-        )
-        model = wrap_ddp(model, device, plan=plan, compress_bf16=cfg.dist.compress == "bf16")
-    preconditioner = None
-    if cfg.optim.kfac.enabled:
-        from kaisoku.optim.kfac import KFAC
-
-        k = cfg.optim.kfac
-        # The hooks go on the inner modules; DDP has already averaged the gradients they precondition.
-        preconditioner = KFAC(
-            model,
-            factor_update_steps=k.factor_update_steps,
-            inv_update_steps=k.inv_update_steps,
-            damping=k.damping,
-            factor_decay=k.factor_decay,
-            kl_clip=k.kl_clip or None,
-            lr=optimizer,
-            method=k.method,
-            memory_mode=k.memory_mode,
-            bn=k.bn,
-            skip_layers=tuple(k.skip_layers),
-            grad_accum=cfg.train.grad_accum,
-            bucket_cap_mb=k.bucket_cap_mb,
-        )
-
     steps_per_epoch = data.train_sampler.steps_per_epoch
     horizon = steps_for(cfg.train.epochs, steps_per_epoch, 0)
     total_steps = steps_for(cfg.train.epochs, steps_per_epoch, cfg.train.max_steps)
@@ -107,27 +84,48 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
     make_scheduler = functools.partial(
         build_scheduler, cfg=cfg.sched, steps_per_epoch=steps_per_epoch, total_steps=horizon
     )
-    engine = None
-    if switch_schedule is not None:
-        engine = hybrid.HybridEngine(
+    precision = Precision(cfg.train.precision, device)
+    loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
+    engine: StepEngine
+    if hybrid:
+        engine = HybridStep(
             model,
-            schedule=switch_schedule,
-            options=hybrid.hybrid_options(cfg.parallel),
-            loss_fn=functools.partial(
-                torch.nn.functional.cross_entropy, label_smoothing=cfg.train.label_smoothing
+            schedule=schedule,
+            options=HybridOptions(
+                microbatches=par.microbatches,
+                schedule=par.schedule,
+                virtual_stages=par.virtual_stages,
+                balance=par.balance,
             ),
+            loss_fn=loss_fn,
             optimizer_factory=functools.partial(build_optimizer_from_named, cfg=cfg.optim),
             scheduler_factory=make_scheduler,
-            reshard=functools.partial(hybrid.reshard_sampler, data.train_sampler),
+            reshard=data.train_sampler.set_shard,
             device=device,
+            precision=precision,
             ranks_per_node=world.local_world_size,
             global_batch=cfg.data.global_batch,
             input_shape=(data.in_channels, cfg.data.image_size, cfg.data.image_size),
         )
-        optimizer, scheduler = engine.optimizer, engine.scheduler
     else:
         assert optimizer is not None
-        scheduler = make_scheduler(optimizer)
+        group = env.data_parallel_group()
+        if group is not None:
+            plan = BucketPlan(
+                mode=cfg.dist.buckets,
+                first_mb=cfg.dist.first_bucket_mb,
+                cap_mb=cfg.dist.bucket_cap_mb,
+                growth=cfg.dist.bucket_growth,
+            )
+            model = wrap_ddp(model, device, plan=plan, compress_bf16=cfg.dist.compress == "bf16")
+        engine = DataParallelStep(
+            model,
+            optimizer,
+            make_scheduler(optimizer),
+            loss_fn=loss_fn,
+            precision=precision,
+            preconditioner=_build_kfac(cfg, model, optimizer, precision, group),
+        )
     run_dir = Path(cfg.run_dir).expanduser()
     metrics = MetricsLogger(
         run_dir,
@@ -137,17 +135,14 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
         tensorboard=cfg.metrics.tensorboard,
     )
     trainer = Trainer(
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
+        engine=engine,
+        precision=precision,
         train_loader=data.train_loader,
         train_sampler=data.train_sampler,
         val_loader=data.val_loader,
         settings=TrainSettings(
             total_steps=total_steps,
             grad_accum=cfg.train.grad_accum,
-            precision=cfg.train.precision,
-            label_smoothing=cfg.train.label_smoothing,
             val_every=cfg.train.val_every,
             log_every=cfg.train.log_every,
             checkpoint_every=cfg.checkpoint.every_steps,
@@ -161,8 +156,6 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
         metrics=metrics,
         checkpoints=CheckpointManager(run_dir / "checkpoints", keep=cfg.checkpoint.keep),
         config_dict=to_dict(cfg),
-        preconditioner=preconditioner,
-        hybrid=engine,
     )
     metrics.log(
         {
@@ -173,12 +166,45 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
             "process_group_seconds": pg_init.seconds,
             "process_group_wait_seconds": pg_wait_seconds,
             "eager_init": cfg.dist.eager_init,
-            **({"parallel": str(switch_schedule)} if switch_schedule is not None else {}),
+            **({"parallel": str(schedule)} if hybrid else {}),
         }
     )
     if resume:
         _resume(trainer, resume)
     return trainer
+
+
+def _build_kfac(
+    cfg: Config,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    precision: Precision,
+    group: object,
+) -> Preconditioner | None:
+    """K-FAC in front of ``optimizer`` when ``optim.kfac.enabled``, averaging its factors over ``group``."""
+    if not cfg.optim.kfac.enabled:
+        return None
+    from kaisoku.optim.kfac import KFAC
+
+    k = cfg.optim.kfac
+    # The hooks go on the inner modules; DDP has already averaged the gradients they precondition.
+    return KFAC(
+        model,
+        factor_update_steps=k.factor_update_steps,
+        inv_update_steps=k.inv_update_steps,
+        damping=k.damping,
+        factor_decay=k.factor_decay,
+        kl_clip=k.kl_clip or None,
+        lr=optimizer,
+        method=k.method,
+        memory_mode=k.memory_mode,
+        bn=k.bn,
+        skip_layers=tuple(k.skip_layers),
+        grad_accum=cfg.train.grad_accum,
+        bucket_cap_mb=k.bucket_cap_mb,
+        grad_scaler=precision.scaler,  # K-FAC builds G from unscaled gradients under fp16
+        process_group=group,
+    )
 
 
 def _resume(trainer: Trainer, resume: str) -> None:
@@ -202,8 +228,42 @@ def _resume(trainer: Trainer, resume: str) -> None:
     trainer.metrics.message(f"resumed from {path} at step {trainer.state.step}")
 
 
-def run_training(cfg: Config) -> dict[str, Any]:
-    """Train on the world this process belongs to; rank 0 prints the summary. Returns the summary."""
+def train_on_local_ranks(cfg: Config, nproc: int, *, rank_entry: Sequence[str] | None = None) -> int:
+    """Start ``nproc`` ranks on this node that train ``cfg``; the exit code for ``kaisoku train``.
+
+    The config goes to ``RUN_DIR/config.toml`` and each rank runs ``kaisoku train --config`` on it (or
+    ``rank_entry``, a script and its arguments, which tests use to wrap :func:`run_training`). A failed
+    rank is reported in one line; only complete checkpoints are left.
+    """
+    from kaisoku.config import to_toml
+    from kaisoku.distributed.launch import launch_local
+    from kaisoku.fsutil import atomic_write_text
+
+    dataset_root(cfg)  # generate the demo set once, before the ranks start
+    run_dir = Path(cfg.run_dir).expanduser()
+    config_path = run_dir / "config.toml"
+    atomic_write_text(config_path, to_toml(cfg))
+    entry = list(rank_entry) if rank_entry is not None else ["-m", "kaisoku", "train"]
+    failure = launch_local(
+        [*entry, "--config", str(config_path)], nproc=nproc, max_restarts=cfg.dist.max_restarts
+    )
+    if failure is None:
+        return 0
+    CheckpointManager(run_dir / "checkpoints", keep=cfg.checkpoint.keep).remove_partial()
+    print(
+        f"kaisoku: rank {failure.rank} stopped ({failure.how}); all ranks were stopped. "
+        f"Complete checkpoints stay in {run_dir / 'checkpoints'}; rerun with --resume auto to continue.",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def run_training(cfg: Config, *, customize: Callable[[Trainer], None] | None = None) -> dict[str, Any]:
+    """Train on the world this process belongs to; rank 0 prints the summary. Returns the summary.
+
+    ``customize`` is called with the built trainer before training starts (tests use it to hook into a
+    run, e.g. to pause a checkpoint write).
+    """
     world = env.world_from_env()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or _threads_per_rank(world)))
     resume = cfg.checkpoint.resume
@@ -213,6 +273,8 @@ def run_training(cfg: Config) -> dict[str, Any]:
     # a checkpoint being written removes its temp file instead of leaving it behind.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     trainer = build_trainer(cfg, world, resume=resume)
+    if customize is not None:
+        customize(trainer)
     try:
         summary = trainer.fit()
     finally:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import io
-import os
 import re
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,21 +19,23 @@ REQUIRED_KEYS = ("model", "optimizer", "scheduler", "step", "data", "rng", "form
 FORMAT_VERSION = 1
 
 
-def _pause_before_rename(tmp: Path) -> None:
-    # Test hook: KAISOKU_TEST_PAUSE_BEFORE_RENAME=<seconds> holds the writer with the temp file complete
-    # but not yet renamed, so a test can kill the process at the worst moment.
-    seconds = float(os.environ.get("KAISOKU_TEST_PAUSE_BEFORE_RENAME", "0") or 0)
-    if seconds > 0:
-        (tmp.parent / "PAUSED").write_text(str(tmp))
-        time.sleep(seconds)
-
-
 class CheckpointManager:
-    """Saves and finds checkpoints in ``<run_dir>/checkpoints/step-XXXXXXXX.pt``."""
+    """Saves and finds checkpoints in ``<run_dir>/checkpoints/step-XXXXXXXX.pt``.
 
-    def __init__(self, directory: Path, *, keep: int) -> None:
+    Args:
+        directory: where the checkpoint files go (created on the first save).
+        keep: how many of the newest checkpoints ``save`` leaves on disk.
+        before_rename: called with the temp file's path once the checkpoint is completely written and
+            fsynced, just before it is renamed into place; an exception it raises aborts the save and
+            removes the temp file. Tests use it to stop or kill a writer at that moment.
+    """
+
+    def __init__(
+        self, directory: Path, *, keep: int, before_rename: Callable[[Path], None] | None = None
+    ) -> None:
         self.directory = directory
         self.keep = keep
+        self.before_rename = before_rename
 
     def path_for(self, step: int) -> Path:
         """The file of the checkpoint taken after optimizer step ``step``."""
@@ -61,7 +62,7 @@ class CheckpointManager:
         buffer = io.BytesIO()
         torch.save(state, buffer)
         try:
-            with atomic_open(path, "wb", before_rename=_pause_before_rename) as handle:
+            with atomic_open(path, "wb", before_rename=self.before_rename) as handle:
                 handle.write(buffer.getbuffer())
         except OSError as error:
             raise KaisokuError(

@@ -11,11 +11,12 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from kaisoku.config import Config
+from kaisoku.config import Config, data_settings
 from kaisoku.data.datagen import ensure_demo_dataset
 from kaisoku.data.dataset import ImageLabelTransform, ShardedDataset
-from kaisoku.data.folder import EpochBatchSampler, ImageFolderDataset, ShardedEvalSampler, split_train_val
-from kaisoku.data.loader import CacheSettings, ShardLoader, label_count, packed_splits
+from kaisoku.data.folder import ImageFolderDataset, ShardedEvalSampler, split_train_val
+from kaisoku.data.loader import ShardLoader, label_count, packed_splits
+from kaisoku.data.sampler import EpochSampler, KeyedMicroBatches
 from kaisoku.data.shuffle import ShuffleSpec
 from kaisoku.data.transforms import IMAGENET_MEAN, IMAGENET_STD, AugmentSpec, collate
 from kaisoku.distributed import env
@@ -71,26 +72,28 @@ def build_data(
     workers = cfg.data.workers
     val_batch = max(1, cfg.data.global_batch // world.world_size)
     val_sampler_args = {"rank": world.rank, "world_size": world.world_size, "batch_size": val_batch}
+    shuffle, cache = data_settings(cfg.data, world.num_nodes)
     packed = packed_splits(root)
     if packed is None:
-        if cfg.data.shuffle != "global" or cfg.data.local_cache or cfg.data.ram_capacity not in ("", "0"):
+        if shuffle.needs_shards or cache.enabled:
             raise ConfigError(
-                f"data.shuffle, data.local_cache and data.ram_capacity need a packed dataset; "
-                f"run kaisoku pack {root} DST and train on DST"
+                f"data.shuffle {cfg.data.shuffle}, data.local_capacity and data.ram_capacity need a packed "
+                f"dataset; run kaisoku pack {root} DST and train on DST"
             )
         train_files, val_files = split_train_val(root, cfg.data.val_fraction, cfg.train.seed)
-        sampler = EpochBatchSampler(
-            len(train_files),
+        sampler = EpochSampler(
+            [len(train_files)],
             global_batch=cfg.data.global_batch,
             rank=train_rank,
             world_size=train_world,
             seed=cfg.train.seed,
+            shuffle=ShuffleSpec(unpacked=True),
             micro_batches=cfg.train.grad_accum,
         )
         train = ImageFolderDataset(train_files, train_spec, seed=cfg.train.seed)
         val = ImageFolderDataset(val_files, val_spec, seed=cfg.train.seed)
         return DataParts(
-            train_loader=_loader(train, sampler, workers, device),
+            train_loader=_loader(train, KeyedMicroBatches(sampler), workers, device),
             train_sampler=sampler,
             val_loader=_loader(val, ShardedEvalSampler(len(val_files), **val_sampler_args), workers, device),
             num_classes=len(train_files.classes),
@@ -105,13 +108,6 @@ def build_data(
         skip_corrupt=cfg.data.skip_corrupt,
     )
     in_channels = image_channels(train_set)
-    shuffle = ShuffleSpec(
-        name=cfg.data.shuffle,
-        block_shards=cfg.data.block_shards,
-        buffer_size=cfg.data.buffer_size,
-        exchange=cfg.data.exchange,
-        num_nodes=world.num_nodes,
-    )
     loader = ShardLoader(
         train_set,
         global_batch=cfg.data.global_batch,
@@ -122,12 +118,7 @@ def build_data(
         shuffle=shuffle,
         micro_batches=cfg.train.grad_accum,
         workers=workers,
-        cache=CacheSettings(
-            local_dir=cfg.data.local_cache,
-            local_capacity=cfg.data.local_capacity,
-            ram_dir=cfg.data.ram_dir,
-            ram_capacity=cfg.data.ram_capacity,
-        ),
+        cache=cache,
         num_epochs=math.ceil(cfg.train.epochs),
         pin_memory=device.type == "cuda",
     )

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -16,10 +15,8 @@ from kaisoku.data.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize
 from kaisoku.distributed import env
 from kaisoku.engine.checkpoint import CheckpointManager
 from kaisoku.engine.metrics import MetricsLogger, peak_memory_mib
+from kaisoku.engine.step import MicroBatches, Precision, StepEngine
 from kaisoku.errors import KaisokuError
-
-if TYPE_CHECKING:
-    from kaisoku.engine.hybrid import HybridEngine
 
 
 class EpochSampler(Protocol):
@@ -37,19 +34,6 @@ class EpochSampler(Protocol):
         """Resume the data order; raise KaisokuError when the state is for other data."""
 
 
-class Preconditioner(Protocol):
-    """A gradient preconditioner run between backward and the optimizer step (e.g. K-FAC)."""
-
-    def step(self) -> None:
-        """Replace the gradients with preconditioned ones."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """State for a checkpoint."""
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from a checkpoint."""
-
-
 @dataclass(kw_only=True)
 class TrainSettings:
     """Loop settings the trainer needs, already resolved from the config."""
@@ -58,10 +42,6 @@ class TrainSettings:
     """Optimizer steps to run in all."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
-    precision: str = "fp32"
-    """fp32, bf16 or fp16 (fp16 with a gradient scaler, CUDA only)."""
-    label_smoothing: float = 0.0
-    """Cross-entropy label smoothing."""
     val_every: int = 0
     """Validate every N steps; 0: at each epoch's end."""
     log_every: int = 10
@@ -89,14 +69,17 @@ class TrainState:
 
 
 class Trainer:
-    """Runs the optimisation loop with DDP, AMP, accumulation, validation, checkpoints and metrics."""
+    """Runs the optimisation loop: data, steps through a step engine, validation, checkpoints, metrics.
+
+    How a step runs (DDP with accumulation, or pipeline stages and layout switches) is the step
+    engine's business; the loop is the same for every engine.
+    """
 
     def __init__(
         self,
         *,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        engine: StepEngine,
+        precision: Precision,
         train_loader: torch.utils.data.DataLoader,
         train_sampler: EpochSampler,
         val_loader: torch.utils.data.DataLoader | None,
@@ -106,13 +89,10 @@ class Trainer:
         metrics: MetricsLogger,
         checkpoints: CheckpointManager | None,
         config_dict: dict[str, Any] | None = None,
-        preconditioner: Preconditioner | None = None,
         on_step: Callable[[int], None] | None = None,
-        hybrid: HybridEngine | None = None,
     ) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
+        self.engine = engine
+        self.precision = precision
         self.train_loader = train_loader
         self.train_sampler = train_sampler
         self.val_loader = val_loader
@@ -122,19 +102,8 @@ class Trainer:
         self.metrics = metrics
         self.checkpoints = checkpoints
         self.config_dict = config_dict or {}
-        self.preconditioner = preconditioner
         self.on_step = on_step
-        # Pipeline / switch-parallel training: the engine owns the stages, their optimizer and scheduler.
-        self.hybrid = hybrid
         self.state = TrainState()
-        self.criterion = nn.CrossEntropyLoss(label_smoothing=settings.label_smoothing)
-        if settings.precision == "fp16" and device.type != "cuda":
-            raise KaisokuError("train.precision fp16 needs CUDA; use bf16 on the CPU")
-        self.scaler = torch.amp.GradScaler("cuda", enabled=settings.precision == "fp16")
-        if preconditioner is not None and hasattr(preconditioner, "grad_scaler"):
-            # K-FAC builds G from unscaled gradients under fp16.
-            preconditioner.grad_scaler = self.scaler
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(settings.precision)
         self.last_val: dict[str, float] = {}
         self.last_loss = float("nan")
         self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -144,25 +113,18 @@ class Trainer:
 
     @property
     def unwrapped(self) -> nn.Module:
-        """The model without its DDP wrapper."""
-        return getattr(self.model, "module", self.model)
+        """The whole model, without a DDP wrapper."""
+        return self.engine.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """This rank's optimizer now."""
+        return self.engine.optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs to continue exactly.
-
-        Under hybrid parallelism the model and optimizer state are gathered from the stages (a collective:
-        every rank calls this) in the layout-independent form, marked by a ``layout`` entry.
-        """
-        if self.hybrid is not None:
-            full = self.hybrid.full_state_dict()
-            model_state, optimizer_state = full["model"], full["optimizer"]
-        else:
-            model_state, optimizer_state = self.unwrapped.state_dict(), self.optimizer.state_dict()
-        state: dict[str, Any] = {
-            "model": model_state,
-            "optimizer": optimizer_state,
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
+        """Everything a resumed run needs to continue exactly (a collective under hybrid parallelism)."""
+        return {
+            **self.engine.state_dict(),
             "step": self.state.step,
             "data": {
                 "epoch": self.state.epoch,
@@ -173,31 +135,11 @@ class Trainer:
             "world_size": self.world.world_size,
             "config": self.config_dict,
         }
-        if self.preconditioner is not None:
-            state["preconditioner"] = self.preconditioner.state_dict()
-        if self.hybrid is not None:
-            state["layout"] = full["layout"]
-        return state
 
     def load_state_dict(self, state: dict[str, Any], *, source: str = "checkpoint") -> None:
-        """Restore a :meth:`state_dict`; a mismatch names ``source``.
-
-        A checkpoint in the layout-independent form (written under hybrid parallelism) loads into any
-        layout and into DDP; a DDP checkpoint loads into a hybrid run.
-        """
-        independent = "layout" in state
+        """Restore a :meth:`state_dict` written by any step engine; a mismatch names ``source``."""
         try:
-            if self.hybrid is not None:
-                self.hybrid.load_state(state["model"], state["optimizer"], int(state["step"]))
-            elif independent:
-                from kaisoku.distributed.pipeline import load_named_optimizer_state
-                from kaisoku.models.blocks import state_names
-
-                self.unwrapped.load_state_dict(state["model"])
-                load_named_optimizer_state(self.optimizer, state["optimizer"], state_names(self.unwrapped))
-            else:
-                self.unwrapped.load_state_dict(state["model"])
-                self.optimizer.load_state_dict(state["optimizer"])
+            self.engine.load_state_dict(state)
         except (RuntimeError, ValueError, KeyError) as error:
             first = str(error).strip().splitlines()[0]
             raise KaisokuError(f"{source} does not match this model or optimizer: {first}") from None
@@ -205,17 +147,6 @@ class Trainer:
             self.train_sampler.load_state_dict(state["data"]["sampler"])
         except KaisokuError as error:
             raise KaisokuError(f"{source}: {error}") from None
-        if independent and self.hybrid is None:
-            from kaisoku.engine.hybrid import continue_schedule
-
-            # The saved scheduler belongs to one stage's optimizer; the curve only needs the step.
-            continue_schedule(self.scheduler, int(state["step"]))  # type: ignore[arg-type]
-        elif self.hybrid is None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        if self.preconditioner is not None and "preconditioner" in state:
-            self.preconditioner.load_state_dict(state["preconditioner"])
         torch.set_rng_state(state["rng"]["torch"])
         self.state = TrainState(
             step=int(state["step"]),
@@ -224,24 +155,16 @@ class Trainer:
         )
 
     def save_checkpoint(self) -> None:
-        """Rank 0 writes a checkpoint; every rank waits so that none runs ahead of a failed save."""
-        if self.checkpoints is not None and self.hybrid is not None:
-            state = self.state_dict()  # gathers the stages: every rank takes part
+        """Rank 0 writes a checkpoint; every rank takes part in gathering it and waits for the write."""
+        if self.checkpoints is not None:
+            state = self.state_dict()
             if self.world.is_main:
                 path = self.checkpoints.save(state)
                 self.metrics.message(f"checkpoint {path}")
-        elif self.checkpoints is not None and self.world.is_main:
-            path = self.checkpoints.save(self.state_dict())
-            self.metrics.message(f"checkpoint {path}")
         env.barrier()
 
     # ------------------------------------------------------------------------------------------------
     # Steps
-
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _prepare(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         images = images.to(self.device, non_blocking=True)
@@ -251,53 +174,15 @@ class Trainer:
             images = images.contiguous(memory_format=torch.channels_last)
         return images, labels
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def train_step(self, micro_batches: MicroBatches) -> torch.Tensor:
         """One optimizer step over ``micro_batches``; returns the mean loss as a device tensor (no sync)."""
-        if self.hybrid is not None:
-            return self._hybrid_step(micro_batches)
-        self.model.train()
-        total = torch.zeros((), device=self.device)
-        count = len(micro_batches)
-        for k, (images, labels) in enumerate(micro_batches):
-            images, labels = self._prepare(images, labels)
-            last = k == count - 1
-            sync = (
-                contextlib.nullcontext()
-                if last or not hasattr(self.model, "no_sync")
-                else self.model.no_sync()
-            )
-            with sync:
-                with self._autocast():
-                    loss = self.criterion(self.model(images), labels) / count
-                self.scaler.scale(loss).backward()
-            total += loss.detach().float()
-        if self.preconditioner is not None:
-            self.scaler.unscale_(self.optimizer)
-            self.preconditioner.step()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        return total
-
-    def _hybrid_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """One step of the pipeline / hybrid engine on this replica's batch (its micro-batches joined)."""
-        assert self.hybrid is not None
-        self.model.train()
-        images = torch.cat([images for images, _ in micro_batches])
-        labels = torch.cat([labels for _, labels in micro_batches])
-        images, labels = self._prepare(images, labels)
-        loss = self.hybrid.train_step(images, labels, self._autocast())
-        self.scheduler.step()
-        return torch.tensor(loss, device=self.device)
+        return self.engine.train_step([self._prepare(images, labels) for images, labels in micro_batches])
 
     def _switch_layout_if_due(self) -> None:
-        """Change the parallel layout where the switch schedule says so (every rank at the same step)."""
-        assert self.hybrid is not None
-        layout = self.hybrid.switch_for(self.state.epoch, self.state.step)
+        """Change the parallel layout where the engine's schedule says so (every rank at the same step)."""
+        layout = self.engine.switch_for(self.state.epoch, self.state.step)
         if layout is None:
             return
-        self.optimizer, self.scheduler = self.hybrid.optimizer, self.hybrid.scheduler
         self._batches = None  # the sampler now reads the new dp axis's shards, from this step on
         self.metrics.log(
             {"step": self.state.step, "epoch": self.state.epoch, "event": "switch", "layout": str(layout)}
@@ -309,21 +194,20 @@ class Trainer:
         """Loss and top-1 accuracy over the whole validation set, all-reduced over ranks."""
         if self.val_loader is None:
             return {}
-        if self.hybrid is not None:
-            self.hybrid.gather()  # every rank evaluates the whole model on its share of the samples
-        self.model.eval()
+        model = self.engine.eval_model()
+        model.eval()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         correct = torch.zeros((), dtype=torch.float64, device=self.device)
         seen = 0
         for images, labels in self.val_loader:
             images, labels = self._prepare(images, labels)
-            with self._autocast():
-                logits = self.unwrapped(images)
+            with self.precision.autocast():
+                logits = model(images)
             loss_sum += nn.functional.cross_entropy(logits.float(), labels, reduction="sum").double()
             correct += (logits.argmax(dim=1) == labels).sum().double()
             seen += labels.numel()
         totals = env.all_reduce_sum([loss_sum.item(), correct.item(), float(seen)], self.device)
-        self.model.train()
+        model.train()
         count = max(totals[2], 1.0)
         return {
             "val_loss": totals[0] / count,
@@ -366,8 +250,7 @@ class Trainer:
         window_wait = 0.0
         self.metrics.advance(self.state.step)
         while self.state.step < until_step:
-            if self.hybrid is not None:
-                self._switch_layout_if_due()
+            self._switch_layout_if_due()
             wait_start = time.perf_counter()
             micro = self._next_micro_batches()
             if micro is None:
@@ -390,7 +273,7 @@ class Trainer:
                         "step": self.state.step,
                         "epoch": self.state.epoch + self.state.step_in_epoch / steps_per_epoch,
                         "loss": self.last_loss,
-                        "lr": self.optimizer.param_groups[0]["lr"],
+                        "lr": self.engine.optimizer.param_groups[0]["lr"],
                         "samples_per_s": rate,
                         "data_wait_fraction": window_wait / max(elapsed, 1e-9),
                         "peak_memory_mib": peak_memory_mib(self.device),

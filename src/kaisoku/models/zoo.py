@@ -117,3 +117,14 @@ def build_model(
         bn_momentum=bn_momentum,
         in_channels=in_channels,
     )
+
+
+def block_count(name: str, *, stem: str = "imagenet") -> int:
+    """How many ordered blocks model ``name`` splits into (the most pipeline stages it can have).
+
+    Built on the meta device: no memory and no initialisation cost.
+    """
+    from kaisoku.models.blocks import ordered_blocks
+
+    with torch.device("meta"):
+        return len(ordered_blocks(build_model(name, num_classes=10, stem=stem)))

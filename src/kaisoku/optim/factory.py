@@ -142,12 +142,9 @@ def check_optim_config(cfg: OptimConfig) -> None:
 def build_optimizer(model: nn.Module, cfg: OptimConfig, *, exclude: ExcludeT = ()) -> Optimizer:
     """The optimizer ``cfg.name`` over :func:`param_groups` of ``model``, with ``cfg``'s hyper-parameters."""
     check_optim_config(cfg)
-    groups = param_groups(
-        model, weight_decay=cfg.weight_decay, no_decay_bn_bias=cfg.no_decay_bn_bias, exclude=exclude
-    )
-    if not groups:
+    if not any(param.requires_grad for param in model.parameters()):
         raise ConfigError("the model has no trainable parameters for the optimizer")
-    return OPTIMIZERS[cfg.name](groups, cfg)
+    return build_optimizer_from_named(model.named_parameters(), cfg, exclude=exclude)
 
 
 def build_optimizer_from_named(

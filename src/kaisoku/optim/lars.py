@@ -87,7 +87,7 @@ def trust_ratios(
 
 
 class _LayerwiseOptimizer(Optimizer):
-    """Shared plumbing: parameter collection, exclusion, sparse-gradient check, device grouping."""
+    """Shared plumbing: the step loop, parameter collection, exclusion, sparse-gradient check, device grouping."""
 
     _exclude: ExcludeFn
 
@@ -127,6 +127,21 @@ class _LayerwiseOptimizer(Optimizer):
 
     def _init_state(self, state: dict[str, Any], param: Tensor) -> None:
         raise NotImplementedError
+
+    def _step_group(self, index: int, group: dict[str, Any]) -> None:
+        """Update the parameters of ``self.param_groups[index]`` (``group``) from their gradients."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Take one optimization step; ``closure`` re-evaluates the loss if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for index, group in enumerate(self.param_groups):
+            self._step_group(index, group)
+        return loss
 
 
 class LARS(_LayerwiseOptimizer):
@@ -234,32 +249,24 @@ class LARS(_LayerwiseOptimizer):
         # A zero buffer makes the first step momentum * 0 + d = d, as torch.optim.SGD's clone(d).
         state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Take one optimization step; ``closure`` re-evaluates the loss if given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for index, group in enumerate(self.param_groups):
-            for adapted, excluded in self._collect(group, ("momentum_buffer",)):
-                lr: float | Tensor = float(group["lr"])
-                if self._compile:
-                    lr = self._lr_tensor(index, (adapted[0] or excluded[0])[0].device, lr)
-                self._update(
-                    *adapted,
-                    *excluded,
-                    lr=lr,
-                    momentum=group["momentum"],
-                    weight_decay=group["weight_decay"],
-                    eta=group["eta"],
-                    eps=group["eps"],
-                    trust_clip=group["trust_clip"],
-                    nesterov=group["nesterov"],
-                    momentum_correction=group["momentum_correction"],
-                    adaptation=group["adaptation"],
-                )
-        return loss
+    def _step_group(self, index: int, group: dict[str, Any]) -> None:
+        for adapted, excluded in self._collect(group, ("momentum_buffer",)):
+            lr: float | Tensor = float(group["lr"])
+            if self._compile:
+                lr = self._lr_tensor(index, (adapted[0] or excluded[0])[0].device, lr)
+            self._update(
+                *adapted,
+                *excluded,
+                lr=lr,
+                momentum=group["momentum"],
+                weight_decay=group["weight_decay"],
+                eta=group["eta"],
+                eps=group["eps"],
+                trust_clip=group["trust_clip"],
+                nesterov=group["nesterov"],
+                momentum_correction=group["momentum_correction"],
+                adaptation=group["adaptation"],
+            )
 
 
 def lars_update(
@@ -394,47 +401,39 @@ class LAMB(_LayerwiseOptimizer):
         state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Take one optimization step; ``closure`` re-evaluates the loss if given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for adapted, excluded in self._collect(group, ("exp_avg", "exp_avg_sq")):
-                params, grads, exp_avgs, exp_avg_sqs = (a + e for a, e in zip(adapted, excluded))
-                if not params:
-                    continue
-                steps = []
-                for param in params:
-                    state = self.state[param]
-                    state["step"] += 1
-                    steps.append(state["step"])
-                torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-                torch._foreach_mul_(exp_avg_sqs, beta2)
-                torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-                # u = m / bc1 / (sqrt(v) / sqrt(bc2) + eps), with per-tensor Python bias corrections.
-                denom = list(torch._foreach_sqrt(exp_avg_sqs))
-                torch._foreach_mul_(denom, [(1 - beta2**t) ** -0.5 for t in steps])
-                torch._foreach_add_(denom, group["eps"])
-                updates = list(torch._foreach_div(exp_avgs, denom))
-                torch._foreach_mul_(updates, [1 / (1 - beta1**t) for t in steps])
+    def _step_group(self, index: int, group: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        for adapted, excluded in self._collect(group, ("exp_avg", "exp_avg_sq")):
+            params, grads, exp_avgs, exp_avg_sqs = (a + e for a, e in zip(adapted, excluded))
+            if not params:
+                continue
+            steps = []
+            for param in params:
+                state = self.state[param]
+                state["step"] += 1
+                steps.append(state["step"])
+            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+            # u = m / bc1 / (sqrt(v) / sqrt(bc2) + eps), with per-tensor Python bias corrections.
+            denom = list(torch._foreach_sqrt(exp_avg_sqs))
+            torch._foreach_mul_(denom, [(1 - beta2**t) ** -0.5 for t in steps])
+            torch._foreach_add_(denom, group["eps"])
+            updates = list(torch._foreach_div(exp_avgs, denom))
+            torch._foreach_mul_(updates, [1 / (1 - beta1**t) for t in steps])
 
-                count = len(adapted[0])
-                params_a, updates_a = params[:count], updates[:count]
-                scale: Coeff = -group["lr"]
-                if count:
-                    if group["weight_decay"] != 0:
-                        torch._foreach_add_(updates_a, params_a, alpha=group["weight_decay"])
-                    norms = torch._foreach_norm(params_a + updates_a)
-                    weight_norms, update_norms = torch.stack(norms[:count]), torch.stack(norms[count:])
-                    ratio = weight_norms / update_norms
-                    if group["max_trust"] > 0:
-                        ratio = ratio.clamp_(max=group["max_trust"])
-                    usable = (weight_norms > 0) & (update_norms > 0)
-                    scale = list(torch.where(usable, ratio, 1.0).mul_(-group["lr"]).unbind(0))
-                _axpy(params_a, updates_a, scale)
-                _axpy(params[count:], updates[count:], -group["lr"])
-        return loss
+            count = len(adapted[0])
+            params_a, updates_a = params[:count], updates[:count]
+            scale: Coeff = -group["lr"]
+            if count:
+                if group["weight_decay"] != 0:
+                    torch._foreach_add_(updates_a, params_a, alpha=group["weight_decay"])
+                norms = torch._foreach_norm(params_a + updates_a)
+                weight_norms, update_norms = torch.stack(norms[:count]), torch.stack(norms[count:])
+                ratio = weight_norms / update_norms
+                if group["max_trust"] > 0:
+                    ratio = ratio.clamp_(max=group["max_trust"])
+                usable = (weight_norms > 0) & (update_norms > 0)
+                scale = list(torch.where(usable, ratio, 1.0).mul_(-group["lr"]).unbind(0))
+            _axpy(params_a, updates_a, scale)
+            _axpy(params[count:], updates[count:], -group["lr"])

@@ -268,3 +268,13 @@ def test_gradient_accumulation_matches_one_big_batch() -> None:
         results.append([f.clone() for f in kfac.layers[""].factors] + [layer.weight.grad.clone()])
     for single, accumulated in zip(*results):
         torch.testing.assert_close(accumulated, single, rtol=1e-5, atol=1e-6)
+
+
+def test_without_torch_distributed_it_is_one_process_owning_all_work() -> None:
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    kfac = KFAC(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)), kl_clip=None)
+    assert (kfac.comm.group, kfac.comm.rank, kfac.comm.world_size) == (None, 0, 1)
+    assert not kfac.comm.distributed
+    assert set(kfac.assignment.values()) == {0}

@@ -14,7 +14,12 @@ from kaisoku.optim.kfac.assignment import bucket_plan
 
 @dataclass(frozen=True)
 class Communicator:
-    """A process group as K-FAC sees it; ``group is None`` means a single process (no collectives)."""
+    """The process group K-FAC's collectives run on, with this process's rank and the group's size.
+
+    ``group`` is handed to every collective as is: ``None`` there means torch.distributed's default
+    group. ``rank`` and ``world_size`` are this process's rank in ``group`` and the group's size; a
+    single process (torch.distributed not initialized) is rank 0 of 1 and runs no collective.
+    """
 
     group: dist.ProcessGroup | None
     rank: int
@@ -23,22 +28,22 @@ class Communicator:
     @property
     def distributed(self) -> bool:
         """True when there is more than one rank to talk to."""
-        return self.group is not None and self.world_size > 1
-
-    def global_rank(self, group_rank: int) -> int:
-        """The default-group rank of ``group_rank`` in this group (what ``src`` arguments want)."""
-        if self.group is None:
-            return group_rank
-        return dist.get_global_rank(self.group, group_rank)
+        return self.world_size > 1
 
 
 def resolve_group(process_group: dist.ProcessGroup | None) -> Communicator:
-    """The group passed in, else the default group when one is initialized, else a single process."""
-    if process_group is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            return Communicator(None, 0, 1)
-        process_group = dist.group.WORLD
-    return Communicator(process_group, dist.get_rank(process_group), dist.get_world_size(process_group))
+    """The communicator for ``process_group``, with rank and size taken from that group.
+
+    ``None`` means what it means to torch.distributed: the default group when torch.distributed is
+    initialized, else a single process. Raises ``ValueError`` when this process is not a member of the
+    group passed in.
+    """
+    if process_group is None and not (dist.is_available() and dist.is_initialized()):
+        return Communicator(None, 0, 1)
+    rank = dist.get_rank(group=process_group)
+    if rank < 0:
+        raise ValueError("this process is not a member of the process group handed to K-FAC")
+    return Communicator(process_group, rank, dist.get_world_size(group=process_group))
 
 
 class BucketedAllReduce:
@@ -98,7 +103,7 @@ def broadcast_from_owners(per_rank: Sequence[Sequence[torch.Tensor]], comm: Comm
             flat = torch.cat([t.reshape(-1).float() for t in tensors])
         else:
             flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32, device=tensors[0].device)
-        work = dist.broadcast(flat, src=comm.global_rank(owner), group=comm.group, async_op=True)
+        work = dist.broadcast(flat, group=comm.group, async_op=True, group_src=owner)
         pending.append((owner, flat, work, tensors))
     start = time.perf_counter()
     for owner, flat, work, tensors in pending:

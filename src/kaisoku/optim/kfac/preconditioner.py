@@ -7,7 +7,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ from kaisoku.optim.kfac.layers import (
     precondition_inverse,
     symmetric_eigen,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 logger = logging.getLogger("kaisoku.optim.kfac")
 
@@ -94,8 +97,10 @@ class KFAC:
         lr: the base optimizer's learning rate for KL clipping: a float, a function of the step, or the
             optimizer itself (its first param group's ``lr`` is read at every step).
         method: ``"eigen"`` or ``"inverse"``.
-        process_group: the data-parallel group; default the default group when one is initialized,
-            else a single process.
+        process_group: the data-parallel group every K-FAC collective runs on; the work assignment
+            uses this process's rank in it and its size. ``None`` means what it means to
+            torch.distributed: the default group when torch.distributed is initialized, else a single
+            process (no collectives). A process outside the group gets ``ValueError``.
         memory_mode: ``"full"`` (every rank keeps every decomposition; owners broadcast them after
             each decomposition step) or ``"owner"`` (only a layer's owner keeps its decomposition and
             broadcasts the preconditioned gradient at every step).
@@ -120,7 +125,7 @@ class KFAC:
         kl_clip: float | None = 1e-3,
         lr: FloatSchedule | torch.optim.Optimizer | None = None,
         method: str = "eigen",
-        process_group: Any = None,
+        process_group: ProcessGroup | None = None,
         memory_mode: str = "full",
         bn: str = "diagonal",
         skip_layers: Iterable[str] = (),

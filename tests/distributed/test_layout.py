@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kaisoku.distributed.mesh import ParallelLayout, rank_coordinates, rank_grid
+from kaisoku.distributed.layout import ParallelLayout, check_parallel, resolve_schedule
+from kaisoku.distributed.mesh import rank_coordinates, rank_grid
 from kaisoku.errors import ConfigError, KaisokuError
 
 
@@ -95,3 +96,46 @@ def test_rank_coordinates_invert_the_grid() -> None:
     assert rank_coordinates(3, ParallelLayout(2, 2)) == (1, 1)
     with pytest.raises(KaisokuError, match="rank 4 is outside the layout dp2xpp2 of 4 ranks"):
         rank_coordinates(4, ParallelLayout(2, 2))
+
+
+# ----------------------------------------------------------------------------------------------------
+# check_parallel / resolve_schedule: the one place parallel settings are checked, from plain values.
+
+
+def test_check_parallel_plain_data_parallel_needs_no_model() -> None:
+    def never() -> int:
+        raise AssertionError("the block count is only needed for pipeline layouts")
+
+    assert check_parallel(world_size=None, global_batch=128, block_count=never) is None
+    schedule = check_parallel(world_size=4, global_batch=128, block_count=never)
+    assert schedule is not None and [str(s.layout) for s in schedule.segments] == ["dp4"]
+
+
+def test_check_parallel_shows_the_arithmetic_against_the_world() -> None:
+    with pytest.raises(ConfigError, match=r"dp 2 x pp 2 = 4 but the world has 2 ranks"):
+        check_parallel(world_size=2, global_batch=16, dp=2, pp=2)
+    with pytest.raises(ConfigError, match=r"parallel.pp 3 does not divide the world of 4 ranks"):
+        check_parallel(world_size=4, global_batch=12, pp=3, microbatches=3)
+    with pytest.raises(ConfigError, match="needs a world of at least 2 ranks"):
+        check_parallel(world_size=1, global_batch=16, pp=2)
+
+
+def test_check_parallel_checks_batches_schedules_and_blocks_per_layout() -> None:
+    with pytest.raises(ConfigError, match="replica batch of 6 samples .* multiple of 8"):
+        check_parallel(world_size=4, global_batch=12, switch="dp2xpp2:0-1,dp4:1-", microbatches=4)
+    with pytest.raises(ConfigError, match="1f1b needs at least pp 4 micro-batches"):
+        check_parallel(world_size=4, global_batch=16, pp=4, microbatches=2)
+    with pytest.raises(ConfigError, match="needs 8 pipeline stages .* only 5 blocks"):
+        check_parallel(world_size=8, global_batch=64, pp=8, microbatches=8, block_count=lambda: 5)
+    # Without a world, what does not depend on it is still checked.
+    with pytest.raises(ConfigError, match="only 3 blocks"):
+        check_parallel(world_size=None, global_batch=64, pp=4, microbatches=4, block_count=lambda: 3)
+
+
+def test_resolve_schedule_fills_the_world() -> None:
+    assert str(resolve_schedule(4, pp=2).layout_at(0)) == "dp2xpp2"
+    assert str(resolve_schedule(4).layout_at(7)) == "dp4"
+    schedule = resolve_schedule(4, switch="pp4:0-2,dp4:2-")
+    assert [str(schedule.layout_at(e)) for e in range(4)] == ["pp4", "pp4", "dp4", "dp4"]
+    with pytest.raises(ConfigError, match="dp 4 x pp 1 = 4 but the world has 2 ranks"):
+        resolve_schedule(2, switch="dp4")

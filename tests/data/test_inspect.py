@@ -1,0 +1,54 @@
+"""``kaisoku inspect``: the summary and ``--verify``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kaisoku.data.format import read_index
+from kaisoku.data.inspect import inspect_dataset, inspect_summary
+from kaisoku.data.writer import pack_records
+from kaisoku.errors import KaisokuError
+
+
+def test_inspect_summary_and_verify(packed: Path) -> None:
+    index = read_index(packed)
+    text = inspect_summary(packed, verify=True)
+    assert f"{index.num_samples:,} in {len(index.shards):,} shards" in text
+    assert "classes   3: cat, dog, emu" in text
+    assert "verify    ok" in text
+    assert "verify" not in inspect_summary(packed)
+
+
+def test_inspect_verify_reports_each_damage(packed: Path) -> None:
+    index = read_index(packed)
+    # A flipped byte in shard 0 record 2, a truncated shard 1, a missing shard 2.
+    path0 = index.shard_path(0)
+    data = bytearray(path0.read_bytes())
+    damaged = index.shards[0].samples // 2
+    data[int(index.shards[0].offsets[damaged]) + 5] ^= 0x40
+    path0.write_bytes(bytes(data))
+    path1 = index.shard_path(1)
+    path1.write_bytes(path1.read_bytes()[:-3])
+    index.shard_path(2).unlink()
+    report = inspect_dataset(packed, verify=True)
+    assert not report.ok
+    joined = "\n".join(report.problems)
+    assert f"shard-00000.kshard: record {damaged} (sample {damaged}," in joined
+    assert "checksum mismatch" in joined
+    last = index.shards[1].samples - 1
+    assert f"shard-00001.kshard: record {last} " in joined and "cut off" in joined
+    assert "shard-00002.kshard: missing" in joined
+    assert "FAILED" in report.text
+    with pytest.raises(KaisokuError, match="verification problems"):
+        inspect_summary(packed, verify=True)
+    # Without verify, the summary reads the index only.
+    assert inspect_dataset(packed).ok
+
+
+def test_inspect_records_pack(tmp_path: Path) -> None:
+    pack_records(({"v": i, "s": str(i)} for i in range(5)), tmp_path / "d", progress=False)
+    text = inspect_summary(tmp_path / "d", verify=True)
+    assert "fields    v (int), s (str)" in text
+    assert "v         5 distinct, 0..4" in text

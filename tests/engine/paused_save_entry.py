@@ -1,0 +1,43 @@
+"""A rank entry for tests: ``kaisoku train`` whose checkpoint writer pauses before its rename.
+
+Run as a script (``python tests/engine/paused_save_entry.py [kaisoku train arguments]``): it launches
+the ranks through :func:`kaisoku.engine.build.train_on_local_ranks` with itself as their entry; on a
+rank (inside torchrun) it trains with a ``before_rename`` callback that writes ``PAUSED`` beside the temp
+file and sleeps, so a test can kill the writer with a complete temp file that is not yet renamed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from kaisoku.cli import resolve_config
+from kaisoku.distributed.env import inside_torchrun
+from kaisoku.engine.build import run_training, train_on_local_ranks
+from kaisoku.engine.trainer import Trainer
+
+PAUSE_SECONDS = 120.0
+
+
+def _pause(tmp: Path) -> None:
+    (tmp.parent / "PAUSED").write_text(str(tmp))
+    time.sleep(PAUSE_SECONDS)
+
+
+def _hook(trainer: Trainer) -> None:
+    assert trainer.checkpoints is not None
+    trainer.checkpoints.before_rename = _pause
+
+
+def main(argv: list[str]) -> int:
+    """Launch the ranks (outside torchrun) or train as one of them (inside)."""
+    cfg, _ = resolve_config(argv)
+    if inside_torchrun():
+        run_training(cfg, customize=_hook)
+        return 0
+    return train_on_local_ranks(cfg, cfg.dist.nproc, rank_entry=[__file__])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
