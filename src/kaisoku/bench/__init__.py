@@ -1,26 +1,39 @@
 """Benchmarks behind ``kaisoku bench NAME``.
 
 Each benchmark module exposes ``run(quick: bool, out_dir: Path) -> dict`` that measures, prints a
-table, writes ``<out_dir>/<name>.json`` (and a PNG where a picture helps) and returns the record.
+table, writes ``<out_dir>/<name>.json`` through :func:`kaisoku.bench.common.write_result` (and a PNG
+where a picture helps) and returns the record. :func:`main` is the command line: where results may go,
+the tree's state, ``--strict``.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import sys
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kaisoku.bench.common import end_run, source_repo, start_run, unmet_goals
 from kaisoku.errors import ConfigError
 
 #: Benchmark name -> module under ``kaisoku.bench``.
 BENCHMARKS: dict[str, str] = {
     "engine": "kaisoku.bench.engine",
     "loader": "kaisoku.bench.loader",
+    "slowfs": "kaisoku.bench.slowfs",
     "optim": "kaisoku.bench.optim",
     "largebatch": "kaisoku.bench.largebatch",
     "parallel": "kaisoku.bench.parallel",
     "kfac": "kaisoku.bench.kfac",
+    "compile": "kaisoku.bench.compile",
+    "memory": "kaisoku.bench.memory",
 }
+
+#: Where recorded results live, relative to a checkout.
+RESULTS = Path("benchmarks") / "results"
 
 
 def run_benchmark(name: str, quick: bool, out_dir: Path) -> dict[str, Any]:
@@ -34,3 +47,104 @@ def run_benchmark(name: str, quick: bool, out_dir: Path) -> dict[str, Any]:
             raise
         raise ConfigError(f"benchmark '{name}' is not part of this version of kaisoku") from None
     return module.run(quick=quick, out_dir=out_dir)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The parser of ``kaisoku bench``."""
+    p = _Parser(
+        prog="kaisoku bench",
+        description="Run a benchmark; its record goes to OUT/<name>.json (see benchmarks/README.md).",
+    )
+    p.add_argument("name", help=f"one of: {', '.join(BENCHMARKS)}")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short smoke run (under a minute); writes to a new temporary folder unless --out is given, "
+        "never into benchmarks/results",
+    )
+    p.add_argument("--out", default="", help=f"folder for the JSON and plots (full runs: {RESULTS})")
+    p.add_argument("--strict", action="store_true", help="exit 1 when any goal of the summary is not met")
+    p.add_argument(
+        "--allow-dirty",
+        action="store_true",
+        help=f"record into {RESULTS} from a tree with uncommitted changes (the diff's sha256 is recorded)",
+    )
+    p.add_argument(
+        "--mnist", default="", help="the MNIST .npz archive (default: $KAISOKU_MNIST, shared/data)"
+    )
+    return p
+
+
+def protected_dirs(repo: Path) -> list[Path]:
+    """The recorded-results folders: the checkout's and the working directory's ``benchmarks/results``."""
+    return list(dict.fromkeys([(repo / RESULTS).resolve(), (Path.cwd() / RESULTS).resolve()]))
+
+
+def _inside(path: Path, folders: Sequence[Path]) -> bool:
+    resolved = path.resolve()
+    return any(resolved == folder or folder in resolved.parents for folder in folders)
+
+
+def resolve_out(out: str, *, quick: bool, allow_dirty: bool, repo: Path, name: str) -> Path:
+    """The folder a run writes to; ConfigError where the rules forbid it.
+
+    A quick run writes to a new temporary folder unless ``out`` is given, and never into a recorded-results
+    folder. A full run writes to ``benchmarks/results`` by default and refuses to record there from a
+    tree whose tracked files differ from the commit unless ``allow_dirty``.
+    """
+    protected = protected_dirs(repo)
+    if quick:
+        if not out:
+            return Path(tempfile.mkdtemp(prefix=f"kaisoku-bench-{name}-"))
+        if _inside(Path(out), protected):
+            raise ConfigError(
+                f"kaisoku bench --quick never writes into {RESULTS}; pass another --out or none (a temporary folder)"
+            )
+        return Path(out)
+    path = Path(out) if out else repo / RESULTS
+    if _inside(path, protected) and not allow_dirty:
+        from kaisoku.bench.common import tree_state
+
+        if tree_state(repo).dirty:
+            raise ConfigError(
+                f"refusing to record into {RESULTS}: tracked files have uncommitted changes; commit them, "
+                "pass --out elsewhere, or --allow-dirty to record the diff's sha256"
+            )
+    return path
+
+
+def main(argv: Sequence[str]) -> int:
+    """``kaisoku bench NAME [--quick] [--out DIR] [--strict] [--allow-dirty] [--mnist PATH]``.
+
+    Returns the exit code: 0, or 1 under ``--strict`` when a goal is not met.
+    """
+    args = parser().parse_args(list(argv))
+    if args.name not in BENCHMARKS:
+        raise ConfigError(f"unknown benchmark '{args.name}'; choose one of: {', '.join(sorted(BENCHMARKS))}")
+    mnist = Path(args.mnist).expanduser() if args.mnist else None
+    if mnist is not None and not mnist.is_file():
+        raise ConfigError(f"--mnist: no file at {mnist}")
+    out_dir = resolve_out(
+        args.out, quick=args.quick, allow_dirty=args.allow_dirty, repo=source_repo(), name=args.name
+    )
+    info = start_run(argv, quick=args.quick, mnist=mnist)
+    if info.tree.dirty:
+        print(
+            f"kaisoku bench: the tree is dirty; recording diff sha256 {info.tree.diff_sha256}",
+            file=sys.stderr,
+        )
+    try:
+        record = run_benchmark(args.name, quick=args.quick, out_dir=out_dir)
+    finally:
+        end_run()
+    print(f"kaisoku bench {args.name}: wrote {out_dir / (args.name + '.json')}")
+    unmet = unmet_goals(record.get("summary", {}))
+    if args.strict and unmet:
+        print(f"kaisoku bench {args.name} --strict: goals not met: {', '.join(unmet)}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,14 +1,25 @@
-"""Shared benchmark plumbing: goal figures, interleaved repeats, the JSON record and the table."""
+"""Shared benchmark plumbing: goal figures, interleaved repeats, provenance, the JSON record and the table.
+
+Every benchmark writes its record through :func:`write_result`, which adds what the result depends on:
+the command line, the commit and whether the tree had uncommitted changes (with the diff's hash), the
+torch and Python versions, the CPU model and core count, the load average before and after the run and
+its wall time. :func:`start_run` (called by ``kaisoku bench``) marks the run's start; a benchmark's
+``run`` called directly starts one implicitly.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import operator
 import os
 import platform
+import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +36,35 @@ _COMPARATORS: dict[str, Callable[[float, float], bool]] = {
 }
 
 
-def goal(value: float | None, target: str) -> dict[str, Any]:
+def goal(value: float | None, target: str, *, reason: str = "", **details: Any) -> dict[str, Any]:
     """A summary entry ``{"value", "goal", "met"}``; ``target`` reads like ``"<= 1.03"``.
 
-    A missing value (the peer or run could not be measured) is never met.
+    ``reason`` says why the goal is not met whatever the value (it could not be measured, or does not
+    apply here): the entry is then never met and carries the reason. A missing or non-finite value needs
+    one. ``details`` (spread, per-seed values, ...) are added to the entry as they are.
     """
     op_text, _, number = target.partition(" ")
     compare = _COMPARATORS[op_text]
-    met = value is not None and bool(np.isfinite(value)) and compare(float(value), float(number))
-    return {"value": None if value is None else round(float(value), 4), "goal": target, "met": met}
+    if value is not None and not np.isfinite(value):
+        reason = reason or f"the measured value was {value}"
+        value = None
+    if value is None and not reason:
+        raise ValueError(f"goal {target!r} has no value: say why in reason=")
+    met = not reason and value is not None and compare(float(value), float(number))
+    entry: dict[str, Any] = {
+        "value": None if value is None else round(float(value), 4),
+        "goal": target,
+        "met": bool(met),
+    }
+    if reason:
+        entry["reason"] = reason
+    entry.update(details)
+    return entry
+
+
+def unmet_goals(summary: dict[str, dict[str, Any]]) -> list[str]:
+    """The names of the summary's goals that are not met."""
+    return [name for name, entry in summary.items() if not entry.get("met")]
 
 
 def median_iqr(values: Sequence[float]) -> tuple[float, float]:
@@ -57,9 +88,110 @@ def interleaved(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str,
     return results
 
 
+# ------------------------------------------------------------------------------------------ provenance
+
+
+@dataclass
+class TreeState:
+    """The commit of a checkout and whether tracked files differ from it."""
+
+    commit: str
+    dirty: bool
+    diff_sha256: str | None = None
+
+
+def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, check=True, timeout=30)
+
+
+def tree_state(repo: Path) -> TreeState:
+    """``repo``'s HEAD commit, and for a tree whose tracked files changed the sha256 of ``git diff HEAD``.
+
+    Outside a git checkout the commit is ``"unknown"`` and the tree counts as clean.
+    """
+    try:
+        commit = _git(repo, "rev-parse", "HEAD").stdout.decode().strip()
+        status = _git(repo, "status", "--porcelain", "--untracked-files=no").stdout.strip()
+        if not status:
+            return TreeState(commit=commit, dirty=False)
+        diff = _git(repo, "diff", "HEAD", "--binary").stdout
+        return TreeState(commit=commit, dirty=True, diff_sha256=hashlib.sha256(diff).hexdigest())
+    except (OSError, subprocess.SubprocessError):
+        return TreeState(commit="unknown", dirty=False)
+
+
+def source_repo() -> Path:
+    """The checkout this kaisoku was imported from (where the measured code lives), else the cwd."""
+    repo = Path(__file__).resolve().parents[3]
+    return repo if (repo / ".git").exists() else Path.cwd()
+
+
+def cpu_model() -> str:
+    """The CPU model as /proc/cpuinfo names it."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return model
+
+
+def load_average() -> list[float]:
+    """The 1-, 5- and 15-minute load averages."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+@dataclass
+class RunInfo:
+    """One benchmark run's provenance, taken when it starts."""
+
+    argv: list[str]
+    quick: bool
+    tree: TreeState
+    mnist: Path | None = None
+    via_cli: bool = True
+    started: float = field(default_factory=time.perf_counter)
+    load_before: list[float] = field(default_factory=load_average)
+
+    def command(self) -> str:
+        """The command line that reproduces the run (``kaisoku bench ...``, or the process's own)."""
+        return shlex.join(["kaisoku", "bench", *self.argv] if self.via_cli else self.argv)
+
+
+_CURRENT: list[RunInfo] = []
+
+
+def start_run(
+    argv: Sequence[str], *, quick: bool, mnist: Path | None = None, via_cli: bool = True
+) -> RunInfo:
+    """Mark the start of a run: the command line, the tree's state and the load average, now.
+
+    ``argv``: the arguments of ``kaisoku bench`` (``via_cli``), else the process's whole command line.
+    """
+    info = RunInfo(argv=list(argv), quick=quick, tree=tree_state(source_repo()), mnist=mnist, via_cli=via_cli)
+    _CURRENT[:] = [info]
+    return info
+
+
+def end_run() -> None:
+    """Forget the run under way (the next record starts its own)."""
+    _CURRENT.clear()
+
+
+def current_run(quick: bool = False) -> RunInfo:
+    """The run under way; a benchmark run outside ``kaisoku bench`` gets one started now."""
+    if not _CURRENT:
+        start_run(sys.argv, quick=quick, via_cli=False)
+    return _CURRENT[0]
+
+
 def locate_mnist() -> Path | None:
-    """The MNIST archive the benchmarks train on: ``$KAISOKU_MNIST``, else ``shared/data/mnist.npz``
+    """The MNIST archive: ``kaisoku bench --mnist``, ``$KAISOKU_MNIST``, else ``shared/data/mnist.npz``
     in or beside the working directory or the source tree; None where it is absent."""
+    if _CURRENT and _CURRENT[0].mnist is not None:
+        return _CURRENT[0].mnist
     env = os.environ.get("KAISOKU_MNIST")
     if env:
         path = Path(env).expanduser()
@@ -72,45 +204,27 @@ def locate_mnist() -> Path | None:
     return None
 
 
-def git_commit() -> str:
-    """The commit of the working tree, or "unknown" outside a git checkout."""
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def cpu_name() -> str:
-    """The CPU model as /proc/cpuinfo names it, with the usable core count."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model} ({len(os.sched_getaffinity(0))} cores)"
-
-
-def environment() -> dict[str, Any]:
-    """What a result depends on: commit, command, versions and CPU."""
-    return {
-        "commit": git_commit(),
-        "command": " ".join(["kaisoku", *sys.argv[1:]]) if sys.argv else "kaisoku",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cpu": cpu_name(),
+def provenance(info: RunInfo) -> dict[str, Any]:
+    """What a result depends on: command, commit and tree state, versions, CPU, load and wall time."""
+    record: dict[str, Any] = {
+        "command": info.command(),
+        "argv": info.argv,
+        "commit": info.tree.commit,
+        "dirty": info.tree.dirty,
     }
+    if info.tree.dirty:
+        record["diff_sha256"] = info.tree.diff_sha256
+    record.update(
+        {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpu": cpu_model(),
+            "cpu_cores": len(os.sched_getaffinity(0)),
+            "load_average": {"before": info.load_before, "after": load_average()},
+            "wall_seconds": round(time.perf_counter() - info.started, 1),
+        }
+    )
+    return record
 
 
 def write_result(
@@ -123,17 +237,43 @@ def write_result(
     notes: str = "",
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write ``<out_dir>/<name>.json`` atomically and return the record."""
+    """Write ``<out_dir>/<name>.json`` atomically (with the run's provenance) and return the record."""
     record: dict[str, Any] = {
         "summary": summary,
         "rows": rows,
         "quick": quick,
         "notes": notes,
-        **environment(),
         **(extra or {}),
+        **provenance(current_run(quick)),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / f"{name}.json", json.dumps(record, indent=2, default=str) + "\n")
+    return record
+
+
+def record_and_show(
+    name: str,
+    out_dir: Path,
+    summary: dict[str, dict[str, Any]],
+    rows: list[dict[str, Any]],
+    columns: dict[str, str],
+    plot: Callable[[list[dict[str, Any]], Path], None] | None = None,
+    cell: Callable[[Any], Any] = lambda value: value,
+    **options: Any,
+) -> dict[str, Any]:
+    """Write the record (``options`` go to :func:`write_result`); draw ``plot(rows, <name>.png)`` (a failed
+    plot is only reported: the JSON is the record); print the rows' ``columns`` (key -> title, values
+    through ``cell``) and the goals, wide enough off a terminal."""
+    record = write_result(name, out_dir, summary, rows, **options)
+    if plot is not None:
+        try:
+            plot(rows, out_dir / f"{name}.png")
+        except Exception as error:
+            print(f"kaisoku bench {name}: plot failed: {error}", file=sys.stderr)
+    if not sys.stdout.isatty():
+        os.environ.setdefault("COLUMNS", "170")  # rich's default of 80 columns off a terminal wraps cells
+    table = [{title: cell(row[key]) for key, title in columns.items() if key in row} for row in rows]
+    print_table(f"kaisoku bench {name}", table, summary)
     return record
 
 
@@ -151,11 +291,14 @@ def print_table(title: str, rows: list[dict[str, Any]], summary: dict[str, dict[
         for row in rows:
             table.add_row(*(_fmt(row.get(column)) for column in columns))
         console.print(table)
+    if not summary:
+        return
     goals = Table(title=f"{title}: goals")
     for column in ("figure", "value", "goal", "met"):
         goals.add_column(column)
     for figure, entry in summary.items():
-        goals.add_row(figure, _fmt(entry["value"]), entry["goal"], "yes" if entry["met"] else "NO")
+        met = "yes" if entry["met"] else f"NO ({entry['reason']})" if "reason" in entry else "NO"
+        goals.add_row(figure, _fmt(entry["value"]), entry["goal"], met)
     console.print(goals)
 
 

@@ -1,0 +1,67 @@
+"""Every benchmark's ``--quick`` path through ``kaisoku bench``: the record's schema, every goal present,
+and the recorded results folder untouched."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kaisoku.bench import BENCHMARKS, main
+from tests.bench.schema import RECORDED, check_record, fingerprint
+
+#: Benchmark -> every goal its summary must hold, whatever could or could not be measured.
+GOALS: dict[str, set[str]] = {
+    "engine": {"engine_step_time_vs_minimal_ddp", "engine_step_time_vs_minimal_ddp_image_folder"},
+    "loader": {
+        f"kaisoku_vs_{what}_{size}"
+        for what in ("best_peer", "limit", "imagefolder_simplejpeg")
+        for size in ("64px", "96px")
+    }
+    | {"index_open_s_10M", "index_private_bytes_per_record"},
+    "slowfs": {
+        "kaisoku_global_io_vs_8readers_1G_2msRTT_64px",
+        "kaisoku_block_io_vs_8readers_1G_2msRTT_64px",
+        "kaisoku_partial_io_vs_8readers_1G_2msRTT_64px",
+        "kaisoku_io_vs_ceiling_min",
+        "kaisoku_epoch2_source_reads_max",
+    },
+    "optim": {
+        "lars_vs_fused_sgd_resnet50",
+        "lars_cuda_kernels_per_step",
+        "lars_vs_foreach_sgd_resnet50",
+        "lars_speedup_vs_reference_small_tensors",
+        "lars_top_level_calls",
+        "lars_host_syncs",
+    },
+    "largebatch": {
+        "recipe_gap_to_b0_best_at_16x",
+        "recipe_gap_to_b0_best_at_64x",
+        "recipe_minus_sgd_linear_at_64x",
+        "wall_minutes",
+    },
+    "parallel": {"bubble_1f1b_worst_relative_gap", "switch_accuracy_gap_in_dp_stds", "switch_speedup_vs_dp"},
+    "kfac": {
+        "kfac_time_to_target_vs_best_mnist",
+        "kfac_time_to_target_vs_best_resnet10_shapes",
+        "kfac_time_to_target_vs_sgd",
+        "kfac_step_time_vs_sgd",
+    },
+    "compile": {"auto_vs_eager_worst"},
+}
+
+
+def test_every_registered_benchmark_has_a_quick_test() -> None:
+    assert set(GOALS) == set(BENCHMARKS)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", sorted(GOALS))
+def test_quick_run_records_every_goal_and_leaves_results_alone(name: str, tmp_path: Path) -> None:
+    before = fingerprint(RECORDED)
+    assert main([name, "--quick", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / f"{name}.json").read_text())
+    check_record(record, GOALS[name])
+    assert record["argv"] == [name, "--quick", "--out", str(tmp_path)]
+    assert fingerprint(RECORDED) == before
