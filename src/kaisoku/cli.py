@@ -26,6 +26,7 @@ _SHORTCUTS = {
     "run_dir": "run_dir",
     "resume": "checkpoint.resume",
     "max_restarts": "dist.max_restarts",
+    "compile": "train.compile",
 }
 
 
@@ -62,6 +63,9 @@ def _train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-dir", help="run folder (run_dir)")
     parser.add_argument("--resume", help='"auto" or a checkpoint file (checkpoint.resume)')
     parser.add_argument("--max-restarts", help="torchrun restarts after a failure (dist.max_restarts)")
+    parser.add_argument(
+        "--compile", help="torch.compile: off, model, optimizer, all or auto (train.compile)"
+    )
     group = parser.add_argument_group("config fields (--section.field VALUE)")
     for key, tp, default, doc in iter_fields():
         if key in _SHORTCUTS.values() and "." not in key:
@@ -151,14 +155,32 @@ def cmd_datagen(argv: Sequence[str]) -> int:
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
-    """``kaisoku bench NAME [--quick] [--out DIR] [--strict]``."""
+    """``kaisoku bench NAME [--quick] [--out DIR] [--strict] [--allow-dirty] [--mnist PATH]``."""
     from kaisoku.bench import main as bench_main
 
     return bench_main(argv)
 
 
+def _pack_upgrade(argv: Sequence[str]) -> int:
+    """``kaisoku pack --upgrade DIR...``: rewrite each index as the current format version, shards untouched."""
+    from pathlib import Path
+
+    from kaisoku.data.format import FORMAT_VERSION, split_dirs, upgrade_index
+
+    parser = _Parser(prog="kaisoku pack --upgrade", description=_pack_upgrade.__doc__)
+    parser.add_argument("paths", nargs="+", help="packed dataset directories (or directories of splits)")
+    for path in parser.parse_args(list(argv)).paths:
+        for target in split_dirs(Path(path)) or [Path(path)]:
+            index, was = upgrade_index(target)
+            done = "already" if was == FORMAT_VERSION else f"upgraded from version {was} to"
+            print(f"{index.root}: index {done} version {FORMAT_VERSION} ({index.num_samples:,} samples)")
+    return 0
+
+
 def cmd_pack(argv: Sequence[str]) -> int:
-    """``kaisoku pack SRC DST``."""
+    """``kaisoku pack SRC DST`` (or ``kaisoku pack --upgrade DIR``)."""
+    if "--upgrade" in argv:
+        return _pack_upgrade([a for a in argv if a != "--upgrade"])
     from kaisoku.data.codecs import available_codecs
     from kaisoku.data.writer import pack
     from kaisoku.units import format_bytes, parse_bytes
@@ -189,6 +211,11 @@ def cmd_pack(argv: Sequence[str]) -> int:
         "--no-shuffle", action="store_true", help="keep source order instead of a seeded permutation"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of that permutation")
+    parser.add_argument(
+        "--upgrade",
+        action="store_true",
+        help="kaisoku pack --upgrade DIR: rewrite DIR's index as the current format version (shards stay)",
+    )
     args = parser.parse_args(list(argv))
     result = pack(
         args.src,
@@ -231,12 +258,27 @@ def cmd_inspect(argv: Sequence[str]) -> int:
     return 0
 
 
+def cmd_report(argv: Sequence[str]) -> int:
+    """``kaisoku report RUN_DIR``."""
+    from kaisoku.engine.report import write_report
+
+    parser = _Parser(
+        prog="kaisoku report",
+        description="Write RUN_DIR/report.html: plots of the run's metrics, its events, config and environment.",
+    )
+    parser.add_argument("run_dir", help="a run folder (finished or crashed)")
+    args = parser.parse_args(list(argv))
+    print(f"wrote {write_report(args.run_dir)}")
+    return 0
+
+
 _COMMANDS = {
     "train": cmd_train,
     "pack": cmd_pack,
     "inspect": cmd_inspect,
     "datagen": cmd_datagen,
     "bench": cmd_bench,
+    "report": cmd_report,
 }
 
 

@@ -67,7 +67,7 @@ class DataConfig:
     global_batch: int = 128
     """Samples per optimizer step over all ranks; stays fixed whatever the world size."""
     workers: int = 1
-    """DataLoader worker processes per rank (0 decodes in the training process)."""
+    """Decoding workers per rank: threads for packed data with data.loader threads (at least 1), else DataLoader worker processes (0 decodes in the training process)."""
     val_fraction: float = 0.1
     """Fraction of a class-folder dataset held out for validation when it has no val/ split."""
     shuffle: Literal["global", "block", "partial"] = "global"
@@ -81,18 +81,22 @@ class DataConfig:
     local_cache: str = ""
     """Packed data: node-local directory (SSD) that stages shards from data.path; empty: no disk tier."""
     local_capacity: ByteSize = ByteSize(0)
-    """Bytes the node-local tier may use, e.g. 200GiB (K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, kB/MB/GB/TB of 1000); 0: off."""
+    """Bytes the node-local tier may use, e.g. 200GiB (K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, kB/MB/GB/TB of 1000); 0 with data.local_cache: the free space of its file system minus a margin (logged)."""
     ram_capacity: ByteSize = ByteSize(0)
     """Bytes of RAM (/dev/shm, shared by a node's ranks) for staged shards, e.g. 16GiB; 0: off."""
     ram_dir: str = "/dev/shm/kaisoku"
     """Where the RAM tier, exchanged samples and the cache's control files live."""
     skip_corrupt: bool = False
     """Packed data: skip (and count) damaged records instead of stopping with an error naming them."""
+    crop_decode: bool = False
+    """Packed data: decode each JPEG at the smallest DCT scale (1/2, 1/4, 1/8) its training crop allows: much faster for large photos, pixels differ slightly from the exact decode (the default)."""
+    loader: Literal["threads", "processes"] = "threads"
+    """Packed data: how batches are made: threads (data.workers threads, at least 1, decode without the GIL into reused batch buffers; the fastest) or processes (a DataLoader with data.workers worker processes). Same batches either way."""
 
 
 @dataclass(kw_only=True)
 class KFACConfig:
-    """K-FAC: precondition Linear, Conv2d and BatchNorm gradients with Kronecker-factored curvature."""
+    """K-FAC: precondition Linear, Conv1d, Conv2d and BatchNorm gradients with Kronecker-factored curvature."""
 
     enabled: bool = False
     """Precondition gradients with K-FAC before every optimizer step (works with sgd and lars)."""
@@ -116,6 +120,8 @@ class KFACConfig:
     """Module or class names K-FAC leaves to the optimizer."""
     bucket_cap_mb: float = 25.0
     """Size of the flat buffers the factor statistics are all-reduced in, in MiB."""
+    stat_fraction: float = 1.0
+    """Share of each batch (its first samples) the Linear/conv factor statistics are computed on, in (0, 1]."""
 
 
 @dataclass(kw_only=True)
@@ -134,8 +140,8 @@ class OptimConfig:
     """L2 weight decay."""
     no_decay_bn_bias: bool = True
     """Exclude BatchNorm parameters and biases (ndim <= 1) from weight decay (and from LARS adaptation)."""
-    eta: float = 0.001
-    """LARS trust coefficient: the layer's step is scaled by eta * ||w|| / (||g|| + wd * ||w|| + eps)."""
+    eta: float = 0.0
+    """LARS trust coefficient: the layer's step is scaled by eta * ||w|| / (||g|| + wd * ||w|| + eps); 0: by model size, 0.001 * (25.6e6 / params) ** 0.6 in [0.001, 0.08]."""
     trust_clip: bool = False
     """LARC: clip the LARS trust ratio so the layer lr never exceeds the global lr."""
     eps: float = 1e-9
@@ -167,6 +173,10 @@ class SchedConfig:
     """step: multiplier at each milestone."""
 
 
+CompileMode = Literal["off", "model", "optimizer", "all", "auto"]
+"""What ``train.compile`` passes through torch.compile."""
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """The training loop."""
@@ -183,12 +193,22 @@ class TrainConfig:
     """Micro-batches accumulated per optimizer step (gradients synchronised on the last one only)."""
     label_smoothing: float = 0.0
     """Cross-entropy label smoothing."""
+    compile: CompileMode = "off"
+    """torch.compile: off, model, optimizer (its step), all, or auto (times 20 steps each way, keeps the faster)."""
     val_every: int = 0
     """Validate every N steps; 0 validates at the end of each epoch."""
     log_every: int = 10
     """Write a metrics line every N steps."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device: auto picks CUDA when available."""
+    on_nonfinite: Literal["stop", "skip", "rollback"] = "stop"
+    """A NaN/inf loss or gradient: stop (exit 4 naming the step and the first layer), skip (drop the step, as a gradient scaler does; checked every step) or rollback (reload the newest checkpoint with a lower learning rate). Checked at each log line and before every checkpoint; a checkpoint with non-finite weights is never written."""
+    max_skips: int = 10
+    """skip: stop after this many consecutive skipped steps."""
+    rollback_lr_scale: float = 0.5
+    """rollback: multiply the learning rate by this at each rollback."""
+    max_rollbacks: int = 3
+    """rollback: stop after this many rollbacks in one run."""
 
 
 @dataclass(kw_only=True)
@@ -265,6 +285,18 @@ class ParallelConfig:
 
 
 @dataclass(kw_only=True)
+class MemoryConfig:
+    """Training memory: recomputation of activations, the optimizer step inside backward."""
+
+    recompute: Literal["none", "blocks", "selective"] = "none"
+    """Activation checkpointing per model block: none, blocks (recompute each block in backward) or selective (keep conv/matmul outputs, recompute the cheap element-wise ops). Bit-identical training."""
+    blocks: str = ""
+    """Blocks that memory.recompute applies to, as indices of the model's ordered blocks ("1,3-6"); empty: all."""
+    update_in_backward: bool = False
+    """Update each parameter as soon as its gradient is final (under DDP: per bucket after its all-reduce) and free the gradient; same weights. SGD, LARS, LAMB; not with grad_accum > 1, K-FAC, hybrid parallelism, fp16, on_nonfinite skip or a compiled optimizer."""
+
+
+@dataclass(kw_only=True)
 class Config:
     """A whole training run."""
 
@@ -279,6 +311,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -500,7 +533,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         (cfg.optim.lr > 0, f"optim.lr must be > 0 (got {cfg.optim.lr})"),
         (cfg.optim.weight_decay >= 0, "optim.weight_decay must be >= 0"),
         (0 <= cfg.optim.momentum < 1, "optim.momentum must be in [0, 1)"),
-        (cfg.optim.eta > 0, f"optim.eta must be > 0 (got {cfg.optim.eta})"),
+        (cfg.optim.eta >= 0, f"optim.eta must be >= 0 (0: by model size) (got {cfg.optim.eta})"),
+        (cfg.train.compile in typing.get_args(CompileMode), "train.compile must be off, model, optimizer, all or auto"),
         (cfg.optim.eps >= 0, "optim.eps must be >= 0"),
         (cfg.sched.warmup_epochs >= 0, "sched.warmup_epochs must be >= 0"),
         (cfg.train.epochs > 0, "train.epochs must be > 0"),
@@ -509,6 +543,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         (0 <= cfg.train.label_smoothing < 1, "train.label_smoothing must be in [0, 1)"),
         (cfg.train.log_every >= 1, "train.log_every must be >= 1"),
         (cfg.train.val_every >= 0, "train.val_every must be >= 0"),
+        (cfg.train.max_skips >= 1, "train.max_skips must be >= 1"),
+        (0 < cfg.train.rollback_lr_scale < 1, "train.rollback_lr_scale must be in (0, 1)"),
+        (cfg.train.max_rollbacks >= 1, "train.max_rollbacks must be >= 1"),
         (cfg.dist.nproc >= 0, "dist.nproc must be >= 0"),
         (cfg.dist.timeout > 0, "dist.timeout must be > 0 seconds"),
         (cfg.dist.max_restarts >= 0, "dist.max_restarts must be >= 0"),
@@ -518,11 +555,34 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         (cfg.optim.kfac.damping >= 0, "optim.kfac.damping must be >= 0"),
         (0 <= cfg.optim.kfac.factor_decay < 1, "optim.kfac.factor_decay must be in [0, 1)"),
         (cfg.optim.kfac.kl_clip >= 0, "optim.kfac.kl_clip must be >= 0"),
+        (0 < cfg.optim.kfac.stat_fraction <= 1, "optim.kfac.stat_fraction must be in (0, 1]"),
         (cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps must be >= 0"),
     ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    from kaisoku.engine.compile import compile_conflict
+
+    conflict = compile_conflict(cfg.train.compile, hybrid=cfg.parallel.hybrid, kfac=cfg.optim.kfac.enabled)
+    if conflict:
+        raise ConfigError(conflict)
+    if cfg.memory.update_in_backward:
+        from kaisoku.memory.in_backward import in_backward_conflict
+
+        conflict = in_backward_conflict(
+            optimizer=cfg.optim.name,
+            grad_accum=cfg.train.grad_accum,
+            kfac=cfg.optim.kfac.enabled,
+            hybrid=cfg.parallel.hybrid,
+            precision=cfg.train.precision,
+            on_nonfinite=cfg.train.on_nonfinite,
+            compile_mode=cfg.train.compile,
+            compile_optimizer=cfg.optim.compile,
+        )
+        if conflict:
+            raise ConfigError(conflict)
+    if cfg.memory.recompute != "none" and cfg.parallel.hybrid:
+        raise ConfigError("memory.recompute is for data parallelism; set it to none with parallel.pp > 1 or a switch")
     shuffle, cache = data_settings(cfg.data)
     _validate_parallel(cfg, world_size, shuffle.depends_on_nodes, cache.enabled)
     if cfg.data.path and not Path(cfg.data.path).expanduser().exists():

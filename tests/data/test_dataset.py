@@ -225,7 +225,7 @@ def test_missing_shard(folder: tuple[Path, dict[str, bytes]]) -> None:
 def test_index_version_mismatch(folder: tuple[Path, dict[str, bytes]]) -> None:
     path, _ = folder
     text = (path / "index.json").read_text()
-    (path / "index.json").write_text(text.replace('"version":1', '"version":99'))
+    (path / "index.json").write_text(text.replace('"version":2', '"version":99'))
     with pytest.raises(KaisokuError, match="format version 99.*upgrade kaisoku"):
         ShardedDataset(path)
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from kaisoku.data.format import read_index
+from kaisoku.data.format import INDEX_NAME, read_index
 from kaisoku.data.inspect import inspect_dataset, inspect_summary
+from kaisoku.data.tables import TABLES_NAME
 from kaisoku.data.writer import pack_records
 from kaisoku.errors import KaisokuError
 
@@ -52,3 +54,13 @@ def test_inspect_records_pack(tmp_path: Path) -> None:
     text = inspect_summary(tmp_path / "d", verify=True)
     assert "fields    v (int), s (str)" in text
     assert "v         5 distinct, 0..4" in text
+
+
+def test_verify_checks_the_tables_crc(packed: Path) -> None:
+    tables = packed / TABLES_NAME
+    crc_start = json.loads((packed / INDEX_NAME).read_text())["tables"]["tables"]["record_crc32"]
+    data = bytearray(tables.read_bytes())
+    data[crc_start["start"]] ^= 0xFF  # a record checksum: the offsets still tile the shards
+    tables.write_bytes(bytes(data))
+    report = inspect_dataset(packed, verify=True)
+    assert any(TABLES_NAME in p and "CRC32" in p for p in report.problems)

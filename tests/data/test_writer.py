@@ -12,6 +12,7 @@ from PIL import Image
 
 from kaisoku.data.format import INDEX_NAME, read_index
 from kaisoku.data.records import RecordCodec, record_view
+from kaisoku.data.tables import TABLES_NAME
 from kaisoku.data.writer import pack, pack_records, plan_shards
 from kaisoku.errors import KaisokuError
 
@@ -248,7 +249,7 @@ def test_non_empty_destination_refused_unless_overwrite(tmp_path: Path) -> None:
     assert len(big.shards) == 1
     # Stale shards of the previous pack are gone; other files are left alone.
     assert sorted(p.name for p in (tmp_path / "dst").iterdir()) == sorted(
-        ["keep.txt", INDEX_NAME, big.shards[0].file]
+        ["keep.txt", INDEX_NAME, TABLES_NAME, big.shards[0].file]
     )
 
 

@@ -19,7 +19,22 @@ def _logger(run_dir: Path | None, *, enabled: bool = True, **options: bool) -> M
 
 
 def _lines(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The records as logged, without the time stamps every line carries."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for line in lines:
+        assert isinstance(line.pop("time"), str) and line.pop("elapsed_s") >= 0
+    return lines
+
+
+def test_non_finite_values_become_null_with_a_flag_and_every_line_has_the_time(tmp_path: Path) -> None:
+    metrics = _logger(tmp_path)
+    metrics.log({"step": 3, "loss": float("nan"), "lr": float("inf"), "samples_per_s": 10.0})
+    metrics.close()
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    (line,) = [json.loads(raw) for raw in text.splitlines()]
+    assert line["loss"] is None and line["lr"] is None and line["nonfinite"] == ["loss", "lr"]
+    assert line["time"].endswith("+00:00") and line["elapsed_s"] >= 0
 
 
 def test_each_record_is_one_json_line_readable_before_close(tmp_path: Path) -> None:

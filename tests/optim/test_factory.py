@@ -84,7 +84,7 @@ def test_build_optimizer(name: str, cls: type) -> None:
 @pytest.mark.parametrize(
     ("changes", "field"),
     [
-        (dict(eta=0.0), "optim.eta"),
+        (dict(eta=-0.1), "optim.eta"),
         (dict(lr=-0.1), "optim.lr"),
         (dict(momentum=1.0), "optim.momentum"),
         (dict(weight_decay=-1.0), "optim.weight_decay"),

@@ -1,12 +1,15 @@
 """``kaisoku bench largebatch``: test accuracy against batch size on MNIST, at a fixed epoch budget.
 
 A small BatchNorm CNN is trained for the same number of epochs at batch B0 and at 16x and 64x B0 with
-three methods: (i) momentum SGD with the linear learning-rate scaling rule and warmup (then cosine), (ii) the
-same with Nesterov momentum, (iii) kaisoku's large-batch recipe: LARS (no weight decay or adaptation on
-BatchNorm and biases), warmup then arc-cotangent decay, label smoothing 0.1. Each method's learning rate
-comes from its own 3-point grid (scaled with the batch size by the method's rule) and is picked per batch
-size on ``x_val`` with seed 0; the table reports ``x_test`` accuracy, the mean over 2 seeds of the picked
-learning rate.
+three methods: (i) momentum SGD with the linear learning-rate scaling rule, warmup then cosine decay, (ii)
+the same with Nesterov momentum, (iii) kaisoku's large-batch recipe: LARS (trust coefficient by the model
+size rule), warmup then arc-cotangent decay. The parts that are not the optimizer are the same for every
+method: no weight decay on BatchNorm and biases, label smoothing 0.1, warmup that grows with the batch
+(:func:`kaisoku.optim.recipe.default_warmup_epochs`). Each method's learning rate comes from its own
+3-point grid (scaled with the batch size by the method's rule), extended while the best point is at an
+edge, and is picked per batch size on ``x_val`` with seed 0; a run ending at chance accuracy counts as
+diverged. The table reports ``x_test`` accuracy, the mean over 3 seeds of the picked learning rate; an
+ablation at 64x removes one piece of the recipe at a time.
 
 Large batches are reached by gradient accumulation over micro-batches of at most 512 samples: BatchNorm
 normalises each micro-batch (as data-parallel BatchNorm does per rank), the optimizer sees the whole batch.
@@ -26,14 +29,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kaisoku.bench.common import goal, locate_mnist, print_table, write_result
+from kaisoku.bench.kfac import tune
 from kaisoku.config import OptimConfig, SchedConfig
 from kaisoku.optim.factory import build_optimizer, build_scheduler
+from kaisoku.optim.recipe import default_warmup_epochs
 
 #: Torch intra-op threads for the benchmark.
 THREADS = 1
 
 #: Largest number of samples in one forward pass; bigger batches accumulate gradients.
 MICRO_BATCH = 512
+#: Accuracy (%) at or below which a run counts as diverged (chance is 10%).
+CHANCE_PERCENT = 20.0
 
 
 @dataclass
@@ -89,7 +96,9 @@ class Method:
     lr_grid: tuple[float, ...]
     """Learning rates at B0; at batch k * B0 each is multiplied by ``k ** lr_scaling_power``."""
     lr_scaling_power: float = 1.0
-    label_smoothing: float = 0.0
+    label_smoothing: float = 0.1
+    warmup_by_batch: bool = True
+    """Warmup epochs by :func:`~kaisoku.optim.recipe.default_warmup_epochs`, else ``sched.warmup_epochs``."""
     notes: str = ""
 
 
@@ -102,27 +111,41 @@ def methods(warmup_epochs: float = 0.5) -> list[Method]:
     unadapted BatchNorm and bias parameters.
     """
     sgd_sched = SchedConfig(name="cosine", warmup_epochs=warmup_epochs)
-    sgd = OptimConfig(name="sgd", momentum=0.9, weight_decay=5e-4, no_decay_bn_bias=False)
+    sgd = OptimConfig(name="sgd", momentum=0.9, weight_decay=5e-4, no_decay_bn_bias=True)
     sgd_grid = (0.05, 0.1, 0.2)
+    shared = "no wd on BN+bias, label smoothing 0.1, warmup by batch"
     return [
-        Method("sgd-linear", sgd, sgd_sched, sgd_grid, notes="SGD m=0.9, lr = base * k, warmup + cosine"),
+        Method("sgd-linear", sgd, sgd_sched, sgd_grid, notes=f"SGD m=0.9, lr = base * k, cosine; {shared}"),
         Method(
             "nesterov-linear",
             replace(sgd, nesterov=True),
             sgd_sched,
             sgd_grid,
-            notes="Nesterov m=0.9, lr = base * k, warmup + cosine",
+            notes=f"Nesterov m=0.9, lr = base * k, cosine; {shared}",
         ),
-        Method(
-            "kaisoku-recipe",
-            OptimConfig(name="lars", momentum=0.9, weight_decay=5e-4, eta=0.08, no_decay_bn_bias=True),
-            SchedConfig(name="arccot", warmup_epochs=warmup_epochs, arccot_center=0.5, arccot_slope=5.0),
-            (0.1, 0.2, 0.4),
-            lr_scaling_power=0.5,
-            label_smoothing=0.1,
-            notes="LARS eta=0.08 m=0.9, no wd/adaptation on BN+bias, lr = base * sqrt(k), "
-            "warmup + arccot (centre 0.5, slope 5), label smoothing 0.1",
-        ),
+        RECIPE,
+    ]
+
+
+#: kaisoku's recipe as the benchmark runs it (eta 0: the model-size rule, 0.074 for SmallCNN width 16).
+RECIPE = Method(
+    "kaisoku-recipe",
+    OptimConfig(name="lars", momentum=0.9, weight_decay=5e-4, eta=0.0, no_decay_bn_bias=True),
+    SchedConfig(name="arccot", warmup_epochs=0.5, arccot_center=0.5, arccot_slope=5.0),
+    (0.1, 0.2, 0.4),
+    lr_scaling_power=0.5,
+    notes="LARS eta by model size, m=0.9, no wd/adaptation on BN+bias, lr = base * sqrt(k), "
+    "arccot (centre 0.5, slope 5); label smoothing 0.1, warmup by batch",
+)
+
+
+def ablations() -> list[Method]:
+    """The recipe with one piece removed or changed at a time (run at 64x with the recipe's lr)."""
+    return [
+        replace(RECIPE, name="recipe-no-label-smoothing", label_smoothing=0.0),
+        replace(RECIPE, name="recipe-fixed-0.5-epoch-warmup", warmup_by_batch=False),
+        replace(RECIPE, name="recipe-poly2-decay", sched=SchedConfig(name="poly", warmup_epochs=0.5)),
+        replace(RECIPE, name="recipe-sgd-instead-of-lars", optim=replace(RECIPE.optim, name="sgd")),
     ]
 
 
@@ -158,6 +181,7 @@ def train_run(
     epochs: int,
     evaluate_on: tuple[str, ...] = ("val", "test"),
     width: int = 8,
+    base_batch: int = 128,
 ) -> RunResult:
     """Train a fresh :class:`SmallCNN` for ``epochs`` epochs at ``batch`` and evaluate it.
 
@@ -172,8 +196,12 @@ def train_run(
     steps_per_epoch = len(train.y) // batch
     if steps_per_epoch < 1:
         raise ValueError(f"batch {batch} is larger than the {len(train.y)} training samples")
+    sched = method.sched
+    if method.warmup_by_batch:
+        warmup = default_warmup_epochs(batch, base_batch, epochs)
+        sched = replace(sched, warmup_epochs=min(warmup, (steps_per_epoch * epochs - 1) / steps_per_epoch))
     scheduler = build_scheduler(
-        optimizer, method.sched, steps_per_epoch=steps_per_epoch, total_steps=steps_per_epoch * epochs
+        optimizer, sched, steps_per_epoch=steps_per_epoch, total_steps=steps_per_epoch * epochs
     )
     micro = min(batch, MICRO_BATCH)
     result = RunResult()
@@ -200,6 +228,8 @@ def train_run(
             break
     for split in evaluate_on:
         result.accuracy[split] = evaluate(model, data[split])
+    # A run that ends at chance (10 classes) learned nothing: it counts as diverged.
+    result.diverged = result.diverged or all(acc <= CHANCE_PERCENT for acc in result.accuracy.values())
     result.seconds = time.perf_counter() - started
     return result
 
@@ -216,9 +246,13 @@ class Budget:
     limit: dict[str, int] | None = None
     grid_indices: tuple[int, ...] = (0, 1, 2)
     """Which points of each method's grid to try (quick runs try the middle one only)."""
+    extend_limit: int = 4
+    """Grid points added beyond an edge while the best point sits on it, at most."""
+    ablation: bool = True
+    """Run the recipe's ablation at the largest batch."""
 
 
-FULL = Budget(epochs=3, base_batch=128, multiples=(1, 16, 64), seeds=(0, 1), width=16)
+FULL = Budget(epochs=3, base_batch=128, multiples=(1, 16, 64), seeds=(0, 1, 2), width=16)
 QUICK = Budget(
     epochs=1,
     base_batch=32,
@@ -227,19 +261,30 @@ QUICK = Budget(
     width=8,
     limit={"train": 4096, "val": 1000, "test": 1000},
     grid_indices=(1,),
+    extend_limit=0,
+    ablation=False,
 )
+
+
+def _targets(quick: bool) -> dict[str, str]:
+    """Summary figure -> goal."""
+    return {
+        "recipe_gap_to_b0_best_at_16x": "<= 1.0",
+        "recipe_gap_to_b0_best_at_64x": "<= 2.0",
+        # The gain over fairly tuned SGD is reported whatever it is; the goal only asks that it is not a loss.
+        "recipe_minus_sgd_linear_at_64x": ">= 0.0",
+        "wall_minutes": "<= 60" if not quick else "<= 1",
+    }
 
 
 def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     """Grid-search each method's learning rate per batch size on x_val, report x_test, write the record."""
     path = locate_mnist()
     if path is None or not path.exists():
-        message = (
-            f"largebatch skipped: MNIST archive not found (looked at {path or '../shared/data/mnist.npz'}); "
-            "set KAISOKU_MNIST to an .npz with x_train/y_train, x_val/y_val, x_test/y_test"
-        )
-        print(message)
-        return {"skipped": message}
+        reason = "MNIST archive not found: pass --mnist PATH or set KAISOKU_MNIST (x_train/y_train, x_val/y_val, x_test/y_test)"
+        summary = {name: goal(None, target, reason=reason) for name, target in _targets(quick).items()}
+        print_table("largebatch", [], summary)
+        return write_result("largebatch", out_dir, summary, [], quick=quick, notes=reason)
     budget = QUICK if quick else FULL
     previous_threads = torch.get_num_threads()
     # One thread: on a shared 2-core machine a second OpenMP thread mostly waits for a descheduled peer.
@@ -258,14 +303,14 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     # The full run's multiples are (1, 16, 64); a quick run has smaller ones in the same places.
     at16 = budget.multiples[1] * b0
     at64 = budget.multiples[2] * b0
-    summary = {
-        "recipe_gap_to_b0_best_at_16x": goal(b0_best - accuracy[("kaisoku-recipe", at16)], "<= 1.0"),
-        "sgd_linear_gap_to_b0_best_at_16x": goal(b0_best - accuracy[("sgd-linear", at16)], ">= 3.0"),
-        "recipe_minus_sgd_linear_at_64x": goal(
-            accuracy[("kaisoku-recipe", at64)] - accuracy[("sgd-linear", at64)], ">= 10.0"
-        ),
-        "wall_minutes": goal(wall / 60, "<= 60" if not quick else "<= 1"),
+    targets = _targets(quick)
+    figures = {
+        "recipe_gap_to_b0_best_at_16x": b0_best - accuracy[("kaisoku-recipe", at16)],
+        "recipe_gap_to_b0_best_at_64x": b0_best - accuracy[("kaisoku-recipe", at64)],
+        "recipe_minus_sgd_linear_at_64x": accuracy[("kaisoku-recipe", at64)] - accuracy[("sgd-linear", at64)],
+        "wall_minutes": wall / 60,
     }
+    summary = {name: goal(figures[name], target) for name, target in targets.items()}
     plot = _plot(table, b0_best, out_dir / "largebatch.png", budget)
     notes = (
         f"MNIST 50k/10k/10k, SmallCNN(width={budget.width}), {budget.epochs} epochs at every batch size, "
@@ -304,27 +349,39 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
 def _grid_and_seeds(
     data: dict[str, Split], budget: Budget
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Every training run (grid with the first seed, then the other seeds at the picked lr) and the table."""
+    """Every training run (grid with the first seed, then the other seeds at the picked lr), the table
+    (one row per method and batch) and the ablation rows at the largest batch."""
     runs: list[dict[str, Any]] = []
     table: list[dict[str, Any]] = []
     first, *others = budget.seeds
+    common = dict(epochs=budget.epochs, width=budget.width, base_batch=budget.base_batch)
+    picked: dict[tuple[str, int], float] = {}
     for method in methods():
         for multiple in budget.multiples:
             batch = budget.base_batch * multiple
-            tried = []
-            for base in (method.lr_grid[i] for i in budget.grid_indices):
+            results: dict[float, RunResult] = {}
+
+            def score(
+                base: float,
+                method: Method = method,
+                multiple: int = multiple,
+                batch: int = batch,
+                results: dict[float, RunResult] = results,
+            ) -> float:
                 lr = base * multiple**method.lr_scaling_power
-                result = train_run(
-                    data, method, batch=batch, lr=lr, seed=first, epochs=budget.epochs, width=budget.width
-                )
-                tried.append((result.accuracy["val"], lr, result))
+                result = train_run(data, method, batch=batch, lr=lr, seed=first, **common)  # type: ignore[arg-type]
+                results[base] = result
                 runs.append(_run_row(method.name, batch, lr, first, result, "grid"))
-            _, best_lr, best = max(tried, key=lambda item: item[0])
+                return -1.0 if result.diverged else result.accuracy["val"]
+
+            grid = tuple(method.lr_grid[i] for i in budget.grid_indices)
+            best_base, points, inside = tune(grid, score, budget.extend_limit)
+            best_lr = best_base * multiple**method.lr_scaling_power
+            picked[(method.name, batch)] = best_lr
+            best = results[best_base]
             tests = [best.accuracy["test"]]
             for seed in others:
-                result = train_run(
-                    data, method, batch=batch, lr=best_lr, seed=seed, epochs=budget.epochs, width=budget.width
-                )
+                result = train_run(data, method, batch=batch, lr=best_lr, seed=seed, **common)  # type: ignore[arg-type]
                 tests.append(result.accuracy["test"])
                 runs.append(_run_row(method.name, batch, best_lr, seed, result, "seed"))
             table.append(
@@ -333,7 +390,8 @@ def _grid_and_seeds(
                     "batch": batch,
                     "steps": best.steps,
                     "lr": round(best_lr, 4),
-                    "val_grid": " / ".join(f"{acc:.2f}" for acc, _, _ in tried),
+                    "grid_best_inside": inside,
+                    "val_grid": " / ".join(f"{p['val_acc']:.2f}" for p in points),
                     "test_mean": round(float(np.mean(tests)), 3),
                     "test_seeds": " / ".join(f"{acc:.2f}" for acc in tests),
                 }
@@ -342,6 +400,24 @@ def _grid_and_seeds(
                 f"  {method.name:16s} batch {batch:5d}: lr {best_lr:.4g}, test {np.mean(tests):.2f}",
                 flush=True,
             )
+    largest = budget.base_batch * budget.multiples[-1]
+    for variant in ablations() if budget.ablation else []:
+        lr = picked[(RECIPE.name, largest)]
+        tests = []
+        for seed in budget.seeds:
+            result = train_run(data, variant, batch=largest, lr=lr, seed=seed, **common)  # type: ignore[arg-type]
+            tests.append(result.accuracy["test"])
+            runs.append(_run_row(variant.name, largest, lr, seed, result, "ablation"))
+        table.append(
+            {
+                "method": variant.name,
+                "batch": largest,
+                "lr": round(lr, 4),
+                "test_mean": round(float(np.mean(tests)), 3),
+                "test_seeds": " / ".join(f"{acc:.2f}" for acc in tests),
+                "ablation": True,
+            }
+        )
     return runs, table
 
 
@@ -370,6 +446,7 @@ def _plot(table: list[dict[str, Any]], b0_best: float, path: Path, budget: Budge
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(6.4, 4.2))
+    table = [row for row in table if not row.get("ablation")]
     for method in dict.fromkeys(row["method"] for row in table):
         rows = [row for row in table if row["method"] == method]
         axis.plot([r["batch"] for r in rows], [r["test_mean"] for r in rows], marker="o", label=method)

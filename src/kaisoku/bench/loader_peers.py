@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import random
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +60,28 @@ def decode_flip(data: bytes, flip: bool) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1)))
 
 
+class DecodeCropFlip:
+    """bytes -> CHW uint8 tensor: simplejpeg decode, then torchvision's random-resized-crop to ``crop`` pixels
+    (when ``crop`` > 0; bilinear, antialiased) and a random flip: what a peer pipeline does on the
+    ImageNet-like row."""
+
+    def __init__(self, crop: int = 0) -> None:
+        self.crop = crop
+
+    def __call__(self, data: bytes) -> torch.Tensor:
+        """The decoded, cropped, randomly flipped CHW uint8 image."""
+        flip = random.random() < 0.5
+        if not self.crop:
+            return decode_flip(data, flip)
+        from torchvision.transforms import RandomResizedCrop
+        from torchvision.transforms.v2 import functional
+
+        image = torch.from_numpy(simplejpeg.decode_jpeg(data, colorspace="RGB")).permute(2, 0, 1)
+        top, left, height, width = RandomResizedCrop.get_params(image, (0.08, 1.0), (3 / 4, 4 / 3))
+        out = functional.resized_crop(image, top, left, height, width, [self.crop, self.crop], antialias=True)
+        return out.flip(-1).contiguous() if flip else out.contiguous()
+
+
 def _complete(directory: Path) -> bool:
     return (directory / _DONE).exists()
 
@@ -80,24 +105,17 @@ def read_bytes(path: str) -> bytes:
         return handle.read()
 
 
-class _SimplejpegFlip:
-    """ImageFolder transform for the simplejpeg row: bytes -> flipped CHW uint8 tensor."""
-
-    def __call__(self, data: bytes) -> torch.Tensor:
-        return decode_flip(data, random.random() < 0.5)
-
-
-def imagefolder(root: Path, *, decoder: str, batch: int, workers: int) -> PeerLoader:
-    """torchvision ImageFolder over the JPEG files: PIL (``RandomHorizontalFlip``, ``PILToTensor``) or simplejpeg."""
+def imagefolder(root: Path, *, decoder: str, batch: int, workers: int, crop: int = 0) -> PeerLoader:
+    """torchvision ImageFolder over the JPEG files: PIL (``RandomHorizontalFlip``, ``PILToTensor``, with
+    ``RandomResizedCrop(crop)`` first when ``crop`` > 0) or simplejpeg (:class:`DecodeCropFlip`)."""
     from torchvision import datasets, transforms
 
     if decoder == "pil":
-        dataset = datasets.ImageFolder(
-            str(root),
-            transform=transforms.Compose([transforms.RandomHorizontalFlip(), transforms.PILToTensor()]),
-        )
+        steps: list[Any] = [transforms.RandomResizedCrop(crop)] if crop else []
+        steps += [transforms.RandomHorizontalFlip(), transforms.PILToTensor()]
+        dataset = datasets.ImageFolder(str(root), transform=transforms.Compose(steps))
     else:
-        dataset = datasets.ImageFolder(str(root), loader=read_bytes, transform=_SimplejpegFlip())
+        dataset = datasets.ImageFolder(str(root), loader=read_bytes, transform=DecodeCropFlip(crop))
 
     def make() -> Iterable[Any]:
         return DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers, drop_last=True)
@@ -175,13 +193,18 @@ def mds(files: Sequence[tuple[str, int]], directory: Path, *, batch: int, worker
 
 
 class _LitFlip:
-    """LitData transform: ``{"jpg", "cls"}`` -> (flipped CHW uint8 tensor, label)."""
+    """LitData transform: ``{"jpg", "cls"}`` -> (CHW uint8 tensor, label) through :class:`DecodeCropFlip`."""
+
+    def __init__(self, crop: int = 0) -> None:
+        self.decode = DecodeCropFlip(crop)
 
     def __call__(self, sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
-        return decode_flip(sample["jpg"], random.random() < 0.5), int(sample["cls"])
+        return self.decode(sample["jpg"]), int(sample["cls"])
 
 
-def litdata(files: Sequence[tuple[str, int]], directory: Path, *, batch: int, workers: int) -> PeerLoader:
+def litdata(
+    files: Sequence[tuple[str, int]], directory: Path, *, batch: int, workers: int, crop: int = 0
+) -> PeerLoader:
     """LitData chunks (its BinaryWriter, the engine behind ``optimize``) and its StreamingDataLoader."""
     _require("litdata", "litdata")
     from litdata import StreamingDataLoader, StreamingDataset
@@ -197,10 +220,133 @@ def litdata(files: Sequence[tuple[str, int]], directory: Path, *, batch: int, wo
         _mark_complete(directory, {"samples": len(files)})
     cache = directory / "cache"
     dataset = StreamingDataset(
-        str(directory / "data"), cache_dir=str(cache), shuffle=True, drop_last=True, transform=_LitFlip()
+        str(directory / "data"), cache_dir=str(cache), shuffle=True, drop_last=True, transform=_LitFlip(crop)
     )
 
     def make() -> Iterable[Any]:
         return StreamingDataLoader(dataset, batch_size=batch, num_workers=workers, drop_last=True)
 
     return PeerLoader("litdata", "simplejpeg", make)
+
+
+# ------------------------------------------------------------------------------------------------------ FFCV
+
+
+FFCV_PYTHON_ENV = "KAISOKU_FFCV_PYTHON"
+"""Environment variable naming a Python interpreter that has ``ffcv`` (FFCV pins its own numba/numpy, so it
+often lives in a venv of its own); without it, this interpreter if it has ``ffcv``."""
+
+
+def ffcv_python() -> str | None:
+    """The interpreter the FFCV row runs in, or None when FFCV is not available."""
+    named = os.environ.get(FFCV_PYTHON_ENV)
+    if named:
+        return named
+    return sys.executable if importlib.util.find_spec("ffcv") is not None else None
+
+
+class FFCVRow:
+    """FFCV's loader in a child process (its own interpreter), driven epoch by epoch over a pipe.
+
+    The child writes FFCV's ``.beton`` of the files once (its writer re-encodes the JPEGs at quality 90),
+    then for each ``epoch()`` call iterates one epoch of ``Loader(os_cache=True, order=RANDOM)`` with
+    ``SimpleRGBImageDecoder`` (or ``RandomResizedCropRGBImageDecoder`` when ``crop``), ``RandomHorizontalFlip``,
+    ``ToTensor``, ``ToTorchImage`` and reports samples, seconds and its CPU seconds.
+    """
+
+    def __init__(
+        self, files: Sequence[tuple[str, int]], directory: Path, *, batch: int, workers: int, crop: int
+    ) -> None:
+        python = ffcv_python()
+        if python is None:
+            raise PeerMissing(
+                f"FFCV not installed: apt-get install libturbojpeg0-dev libopencv-dev; pip install ffcv "
+                f"(in this venv, or a venv named by ${FFCV_PYTHON_ENV})"
+            )
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "files.json").write_text(json.dumps(list(files)))
+        src = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": src}
+        args = [
+            python,
+            "-m",
+            "kaisoku.bench.loader_peers",
+            str(directory),
+            str(batch),
+            str(workers),
+            str(crop),
+        ]
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env
+        )
+        ready = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not ready.startswith("ready"):
+            self.close()
+            raise PeerMissing(f"FFCV could not start ({python}): {ready.strip() or 'no answer'}")
+
+    def epoch(self) -> tuple[int, float, float]:
+        """One epoch in the child: ``(samples, seconds, CPU seconds)``."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("epoch\n")
+        self.proc.stdin.flush()
+        samples, seconds, cpu = self.proc.stdout.readline().split()
+        return int(samples), float(seconds), float(cpu)
+
+    def close(self) -> None:
+        """Stop the child."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def _ffcv_child(directory: Path, batch: int, workers: int, crop: int) -> None:
+    import time
+
+    from ffcv.fields import IntField, RGBImageField
+    from ffcv.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder, SimpleRGBImageDecoder
+    from ffcv.loader import Loader, OrderOption
+    from ffcv.transforms import RandomHorizontalFlip, Squeeze, ToTensor, ToTorchImage
+    from ffcv.writer import DatasetWriter
+    from PIL import Image
+
+    files = json.loads((directory / "files.json").read_text())
+    beton = directory / "data.beton"
+    if not _complete(directory):
+
+        class Items:
+            def __len__(self) -> int:
+                return len(files)
+
+            def __getitem__(self, i: int) -> tuple[Any, int]:
+                return Image.open(files[i][0]).convert("RGB"), int(files[i][1])
+
+        field = RGBImageField(write_mode="jpg", jpeg_quality=90)
+        DatasetWriter(str(beton), {"image": field, "label": IntField()}, num_workers=1).from_indexed_dataset(
+            Items()
+        )
+        _mark_complete(directory, {"samples": len(files)})
+    decoder = RandomResizedCropRGBImageDecoder((crop, crop)) if crop else SimpleRGBImageDecoder()
+    loader = Loader(
+        str(beton),
+        batch_size=batch,
+        num_workers=workers,
+        order=OrderOption.RANDOM,
+        os_cache=True,
+        drop_last=True,
+        pipelines={
+            "image": [decoder, RandomHorizontalFlip(), ToTensor(), ToTorchImage()],
+            "label": [IntDecoder(), ToTensor(), Squeeze()],
+        },
+    )
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "epoch":
+            break
+        cpu, start, count = time.process_time(), time.perf_counter(), 0
+        for _images, labels in loader:
+            count += int(labels.shape[0])
+        print(count, time.perf_counter() - start, time.process_time() - cpu, flush=True)
+
+
+if __name__ == "__main__":
+    _ffcv_child(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))

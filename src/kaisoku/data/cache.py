@@ -28,18 +28,21 @@ when resuming), then per epoch ``sampler.set_epoch(e)`` and ``cache.mark_progres
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
 import shutil
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kaisoku.data.counters import worker_slot
 from kaisoku.data.stager import (
     COUNTERS,
     EPOCH_SHIFT,
@@ -54,7 +57,9 @@ from kaisoku.data.stager import (
     ControlFiles,
     Stager,
     TierPaths,
+    file_crc32,
     progress_ticket,
+    staged_shard,
 )
 from kaisoku.data.staging import CacheEvent, StagingSchedule, sampler_trace_fn
 from kaisoku.errors import KaisokuError
@@ -66,6 +71,40 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+LOCAL_MARGIN_FRACTION = 0.05
+"""Share of the local file system's size left free when ``data.local_capacity`` is not given."""
+LOCAL_MARGIN_MIN = 1 << 30
+"""At least this many bytes are left free on it (1 GiB)."""
+
+
+def auto_local_capacity(local_dir: str | os.PathLike[str], *, announce: bool = True) -> int:
+    """The local tier's capacity when only its directory is given: free space minus a margin.
+
+    The margin is the larger of :data:`LOCAL_MARGIN_FRACTION` of the file system and
+    :data:`LOCAL_MARGIN_MIN`; ``announce`` logs the one line that says what was chosen and why.
+    """
+    probe = Path(local_dir).expanduser().absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    usage = shutil.disk_usage(probe)
+    margin = max(int(usage.total * LOCAL_MARGIN_FRACTION), LOCAL_MARGIN_MIN)
+    capacity = max(0, int(usage.free) - margin)
+    gib = 1 << 30
+    if announce and capacity > 0:
+        log.warning(
+            "data.local_cache %s has no data.local_capacity: using its file system's free space "
+            "%.1f GiB minus a margin of %.1f GiB = %.1f GiB (set data.local_capacity to choose)",
+            local_dir, usage.free / gib, margin / gib, capacity / gib,
+        )  # fmt: skip
+    elif announce:
+        log.warning(
+            "data.local_cache %s has no data.local_capacity and its file system has only %.1f GiB "
+            "free (margin %.1f GiB): the local tier stays off; free space or set data.local_capacity",
+            local_dir, usage.free / gib, margin / gib,
+        )  # fmt: skip
+    return capacity
+
+
 class NodeCache:
     """The node's tiered shard cache, as seen by one rank (local rank 0 also owns the stager).
 
@@ -75,7 +114,13 @@ class NodeCache:
     Local rank 0 starts the stager with ``schedule`` (the other ranks' ``schedule`` is ignored); with both
     capacities 0 there is no stager and every read goes to the source. ``shard_bytes`` (file sizes, e.g.
     from the dataset's index) saves the stager a ``stat`` per shard on the source.
-    ``shard_buffer`` is the dataset's ``shard_opener``.
+    ``shard_buffer`` is the dataset's ``shard_opener``. ``reader_slots`` is the processes reading for
+    each rank (1 + its DataLoader workers): each counts in its own row. A process keeps at most
+    ``max_open`` shards mapped and at most ``max_source_bytes`` of shards read whole from the source
+    (always the one in use), so a cache too small for the order cannot fill a worker's memory.
+    ``shard_crcs`` (the index's whole-file CRC32s) let a restart reuse the local tier's staged shards
+    whose size and CRC match; with them the local tier outlives :meth:`close` (the next run checks it),
+    without them it is emptied. The RAM tier and the control files are removed by :meth:`close`.
     """
 
     def __init__(
@@ -93,6 +138,10 @@ class NodeCache:
         max_open: int = 64,
         schedule: StagingSchedule | None = None,
         shard_bytes: Sequence[int] | None = None,
+        reader_slots: int = 1,
+        max_source_bytes: int = 256 << 20,
+        shard_crcs: Sequence[int] | None = None,
+        source_reader: Callable[[Path], bytes] | None = None,
     ) -> None:
         if not 0 <= local_rank < ranks_per_node:
             raise KaisokuError(f"local rank {local_rank} is outside 0..{ranks_per_node - 1}")
@@ -111,6 +160,13 @@ class NodeCache:
         self.run_token = run_token or "kaisoku"
         self.wait_timeout = wait_timeout
         self.max_open = max_open
+        self.reader_slots = max(1, int(reader_slots))
+        self.max_source_bytes = int(max_source_bytes)
+        self._shard_crcs = None if shard_crcs is None else [int(c) for c in shard_crcs]
+        self.reused_local: list[int] = []
+        self._source_reader = source_reader  # the stager's way to read a source file (default: read it)
+        """Shards found staged in the local tier at start-up (size and CRC checked) and kept."""
+        self._source_held = 0
         self._given_shard_bytes = None if shard_bytes is None else [int(b) for b in shard_bytes]
         if self._given_shard_bytes is not None and len(self._given_shard_bytes) != self.num_shards:
             raise KaisokuError(
@@ -122,13 +178,16 @@ class NodeCache:
             self.local_dir / "kaisoku-shards" if self.local_dir else None,
         )
         self._maps: OrderedDict[int, tuple[str, memoryview]] = OrderedDict()
+        self._lock = threading.RLock()
         self._stager: Stager | None = None
         self._warned: set[str] = set()
         # Only the process that prepared the node (not a forked DataLoader worker) stages or deletes files.
         self._owner_pid = os.getpid() if local_rank == 0 else None
         if local_rank == 0:
             self._initialise()
-            self.files = ControlFiles.open(self.ram_dir, self.ranks_per_node)
+            self.files = ControlFiles.open(self.ram_dir, self.ranks_per_node, self.reader_slots)
+            for shard in self.reused_local:
+                self.files.flags[shard] = FLAG_LOCAL
             if schedule is not None:
                 self._start_staging(schedule)
             # Readers attach only now, so none of them sees the node without its stager.
@@ -150,6 +209,8 @@ class NodeCache:
         run_token: str = "",
         num_epochs: int | None = None,
         shard_bytes: Sequence[int] | None = None,
+        reader_slots: int = 1,
+        shard_crcs: Sequence[int] | None = None,
     ) -> NodeCache:
         """The node cache of ``sampler``'s rank, staging from the sampler's epoch and step on.
 
@@ -175,6 +236,8 @@ class NodeCache:
             run_token=run_token,
             schedule=schedule,
             shard_bytes=shard_bytes,
+            reader_slots=reader_slots,
+            shard_crcs=shard_crcs,
         )
 
     # ---------------------------------------------------------------- control files
@@ -192,6 +255,7 @@ class NodeCache:
                 self.ranks_per_node,
                 ram_on=self.ram_capacity > 0,
                 local_on=local_on,
+                slots=self.reader_slots,
             )
         except OSError as error:
             raise KaisokuError(
@@ -200,18 +264,51 @@ class NodeCache:
             ) from error
 
     def _prepare_local(self) -> bool:
-        """Empty the local tier's directory; False (after one warning) when it cannot be written."""
+        """Prepare the local tier's directory (keeping staged shards that check out, see the class docs);
+        False (after one warning) when it cannot be written."""
         if self.paths.local is None or self.local_capacity == 0:
             return False
         try:
-            shutil.rmtree(self.paths.local, ignore_errors=True)
-            self.paths.local.mkdir(parents=True)
+            if self._shard_crcs is None:
+                shutil.rmtree(self.paths.local, ignore_errors=True)
+            self.paths.local.mkdir(parents=True, exist_ok=True)
+            if self._shard_crcs is not None:
+                self._reuse_local()
         except OSError as error:
             self._warn_tier_off(
                 "local", f"local cache {self.local_dir} is not writable ({error.strerror or error})"
             )
             return False
         return True
+
+    def _reuse_local(self) -> None:
+        """Keep the staged shards whose size and CRC32 match the index (up to the capacity); drop the rest."""
+        assert self.paths.local is not None and self._shard_crcs is not None
+        sizes = self._given_shard_bytes or [os.stat(p).st_size for p in self.source_paths]
+        budget, kept_bytes, start = self.local_capacity, 0, time.perf_counter()
+        for path in sorted(self.paths.local.iterdir()):
+            shard = staged_shard(path.name)
+            shard = shard if shard is not None and shard < self.num_shards and path.is_file() else None
+            if (
+                shard is not None
+                and path.stat().st_size == sizes[shard] <= budget
+                and (file_crc32(path) == self._shard_crcs[shard])
+            ):
+                self.reused_local.append(shard)
+                budget -= sizes[shard]
+                kept_bytes += sizes[shard]
+            elif path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        if self.reused_local:
+            log.warning(
+                "reusing %d shards (%d bytes) staged in %s by an earlier run (size and CRC32 checked in %.1f s)",
+                len(self.reused_local),
+                kept_bytes,
+                self.paths.local,
+                time.perf_counter() - start,
+            )
 
     def _attach(self) -> None:
         ready = self.ram_dir / "ready"
@@ -230,7 +327,7 @@ class NodeCache:
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
-        self.files = ControlFiles.open(self.ram_dir, self.ranks_per_node)
+        self.files = ControlFiles.open(self.ram_dir, self.ranks_per_node, self.reader_slots)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled into DataLoader workers: a reader attached to the same control files, no stager."""
@@ -242,6 +339,8 @@ class NodeCache:
             run_token=self.run_token,
             wait_timeout=self.wait_timeout,
             max_open=self.max_open,
+            reader_slots=self.reader_slots,
+            max_source_bytes=self.max_source_bytes,
         )
         return state
 
@@ -253,13 +352,18 @@ class NodeCache:
             self.local_dir / "kaisoku-shards" if self.local_dir else None,
         )
         self._maps = OrderedDict()
+        self._lock = threading.RLock()
+        self._source_held = 0
         self._stager = None
         self._warned = set()
         self._owner_pid = None
         self._attach()
 
+    def _row(self) -> int:
+        return self.local_rank * self.reader_slots + worker_slot(self.reader_slots)
+
     def _count(self, name: str, amount: int = 1) -> None:
-        self.files.count(self.local_rank, name, amount)
+        self.files.count(self._row(), name, amount)
 
     def _warn_once(self, key: str, message: str) -> None:
         """Log ``message`` the first time ``key`` comes up in this process, never again."""
@@ -339,14 +443,35 @@ class NodeCache:
         if tier == "source" or still_there:
             self._maps.move_to_end(shard)
             return view
-        del self._maps[shard]  # evicted from that tier: drop the mapping so its memory can be freed
+        self._forget(shard)  # evicted from that tier: drop the mapping so its memory can be freed
         return None
 
     def _remember(self, shard: int, tier: str, view: memoryview) -> memoryview:
+        self._forget(shard)
         self._maps[shard] = (tier, view)
-        while len(self._maps) > self.max_open:
-            self._maps.popitem(last=False)
+        if tier == "source":
+            self._source_held += len(view)
+        # Bounded by count (mappings) and by bytes (private copies of source shards); never the newest.
+        while len(self._maps) > 1 and (
+            len(self._maps) > self.max_open or self._source_held > self.max_source_bytes
+        ):
+            self._forget(next(iter(self._maps)))
         return view
+
+    def _forget(self, shard: int) -> None:
+        entry = self._maps.pop(shard, None)
+        if entry is not None and entry[0] == "source":
+            self._source_held -= len(entry[1])
+
+    def held_bytes(self) -> int:
+        """Bytes of shards this process holds as private copies read from the source."""
+        return self._source_held
+
+    def tier_of(self, shard: int) -> str:
+        """The tier this process last read ``shard`` from (ram, local or source)."""
+        with self._lock:
+            entry = self._maps.get(shard)
+        return entry[0] if entry is not None else "source"
 
     def _map_file(self, path: Path) -> memoryview:
         with open(path, "rb") as handle:
@@ -356,21 +481,29 @@ class NodeCache:
             return memoryview(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
 
     def shard_buffer(self, shard: int) -> memoryview:
-        """The whole shard's bytes: mapped from RAM or local disk, else read from the source (counted)."""
-        view = self._cached_map(shard)
+        """The whole shard's bytes: mapped from RAM or local disk, else read from the source (counted).
+
+        Thread-safe: the decoding threads of one process share the mappings under one lock, which is not
+        held while waiting for a shard to be staged or reading it, so other threads go on meanwhile.
+        """
+        with self._lock:
+            view = self._cached_map(shard)
         if view is not None:
             return view
         for _ in range(3):
             tier = self._resolve(shard)
             if tier == "source":
-                return self._remember(shard, "source", memoryview(self._read_source(shard)))
+                break
             try:
                 view = self._map_file(self.paths.path(tier, shard))
             except FileNotFoundError:
                 continue  # evicted between the flag check and the open: look again
             self._count(f"{tier}_opens")
-            return self._remember(shard, tier, view)
-        return self._remember(shard, "source", memoryview(self._read_source(shard)))
+            with self._lock:
+                return self._remember(shard, tier, view)
+        data = memoryview(self._read_source(shard))
+        with self._lock:
+            return self._remember(shard, "source", data)
 
     def _read_source(self, shard: int) -> bytes:
         data = self.source_paths[shard].read_bytes()
@@ -384,8 +517,19 @@ class NodeCache:
         return {name: int(totals[i]) for i, name in enumerate(COUNTERS)}
 
     def stats(self) -> dict[str, int]:
-        """This rank's reader counters."""
-        row = np.asarray(self.files.counters[self.local_rank])
+        """This rank's reader counters (its main process and its DataLoader workers)."""
+        first = self.local_rank * self.reader_slots
+        row = np.asarray(self.files.counters[first : first + self.reader_slots]).sum(axis=0)
+        return {name: int(row[i]) for i, name in enumerate(COUNTERS)}
+
+    @property
+    def owns_stager(self) -> bool:
+        """True in the process that prepared the node (local rank 0's main process)."""
+        return self._owner_pid == os.getpid()
+
+    def stager_stats(self) -> dict[str, int]:
+        """The stager's counters (zeros on ranks other than local rank 0's view of its own stager)."""
+        row = np.asarray(self.files.counters[self.ranks_per_node * self.reader_slots])
         return {name: int(row[i]) for i, name in enumerate(COUNTERS)}
 
     def tiers_enabled(self) -> dict[str, bool]:
@@ -406,9 +550,11 @@ class NodeCache:
             capacities={"local": self.local_capacity, "ram": self.ram_capacity},
             tier_dirs={"local": self.local_dir, "ram": self.ram_dir},
             shard_bytes=self._given_shard_bytes or [os.stat(p).st_size for p in self.source_paths],
-            stager_row=self.ranks_per_node,
+            stager_row=self.ranks_per_node * self.reader_slots,
             warn_once=self._warn_once,
             warn_tier_off=self._warn_tier_off,
+            initial_local=self.reused_local,
+            reader=self._source_reader,
         )
         self._stager.start(schedule)
 
@@ -429,14 +575,22 @@ class NodeCache:
         return self._stager.wait_stalled(timeout) if self._stager is not None else None
 
     def close(self, remove_files: bool = True) -> None:
-        """Stop the stager and drop mappings; local rank 0 also deletes the staged files (by default).
+        """Stop the stager and drop mappings; local rank 0 also deletes the RAM tier and the control files
+        (by default), and the local tier unless a restart can check it (``shard_crcs`` given).
 
         Call it on every rank of the node after a barrier, so that no rank still reads a staged file.
         """
         if self._stager is not None:
             self._stager.stop()
         self._maps.clear()
+        self._source_held = 0
         if remove_files and self._owner_pid == os.getpid():
             shutil.rmtree(self.paths.ram, ignore_errors=True)
-            if self.paths.local is not None:
+            names = [name for name, _, _ in ControlFiles.layout(self.num_shards, self.ranks_per_node)]
+            for name in [*names, "ready"]:
+                (self.ram_dir / name).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # only once empty: nothing but our own files is removed
+                self.ram_dir.rmdir()
+                self.ram_dir.parent.rmdir()  # the run's directory, once its last node has gone
+            if self.paths.local is not None and self._shard_crcs is None:
                 shutil.rmtree(self.paths.local, ignore_errors=True)

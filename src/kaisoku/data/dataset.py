@@ -24,7 +24,7 @@ import logging
 import mmap
 import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,9 +32,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch.utils.data
 
+from kaisoku.data.counters import LoaderCounters
 from kaisoku.data.format import Index, read_index
 from kaisoku.data.records import CorruptRecordError, RecordCodec, check_record, record_view
-from kaisoku.data.transforms import AugmentSpec, augment, decode_image
+from kaisoku.data.transforms import AugmentSpec, augment, augment_into, crop_decode_into, decode_image
 from kaisoku.errors import KaisokuError
 
 logger = logging.getLogger("kaisoku.data")
@@ -91,13 +92,31 @@ class ImageLabelTransform:
     decode_min_side: int = 0
     """Only for encoded images: the smallest side JPEG DCT-domain downscaling may leave (0: full size)."""
 
+    crop_decode: bool = False
+    """Only for encoded images: decode a JPEG at the smallest DCT scale its crop allows
+    (:func:`~kaisoku.data.transforms.crop_decode_into`; faster, pixels differ slightly from exact)."""
+
     def __call__(self, sample: dict[str, Any], *, index: int, epoch: int) -> tuple[np.ndarray, int]:
         """The augmented CHW uint8 image and the label of ``sample``."""
         image = sample[self.image_field]
+        if self.crop_decode and not isinstance(image, np.ndarray):
+            out = np.empty((3, self.spec.size, self.spec.size), dtype=np.uint8)
+            return out, self.into(sample, index=index, epoch=epoch, out=out)
         if not isinstance(image, np.ndarray):
             image = decode_image(image, name=f"sample {index}", min_side=self.decode_min_side)
         out = augment(image, self.spec, seed=self.seed, epoch=epoch, index=index)
         return out, int(sample[self.label_field])
+
+    def into(self, sample: dict[str, Any], *, index: int, epoch: int, out: np.ndarray) -> int:
+        """Write the augmented CHW uint8 image of ``sample`` into ``out``; return its label."""
+        image = sample[self.image_field]
+        if self.crop_decode and not isinstance(image, np.ndarray):
+            crop_decode_into(image, self.spec, seed=self.seed, epoch=epoch, index=index, out=out)
+            return int(sample[self.label_field])
+        if not isinstance(image, np.ndarray):
+            image = decode_image(image, name=f"sample {index}", min_side=self.decode_min_side)
+        augment_into(image, self.spec, seed=self.seed, epoch=epoch, index=index, out=out)
+        return int(sample[self.label_field])
 
 
 class ShardedDataset(torch.utils.data.Dataset):
@@ -143,6 +162,10 @@ class ShardedDataset(torch.utils.data.Dataset):
         self.shard_opener = shard_opener
         self.epoch = 0
         self.skipped = 0  # records skipped as damaged, in this process
+        self.counters: LoaderCounters | None = None
+        """Where reads and skips are counted for the loader's ``epoch_stats`` (set by the loader)."""
+        self.tier_of: Callable[[int], str] | None = None
+        """The tier a shard was last read from (the node cache's), to count bytes served per tier."""
         self._codec = RecordCodec(self.index.fields, self.index.codec)
         self._image_fields = tuple(f.name for f in self.index.fields if f.kind == "image")
         self._starts = self.index.shard_starts()
@@ -239,7 +262,41 @@ class ShardedDataset(torch.utils.data.Dataset):
         shard_id, record = self.shard_of(index)
         index = self._starts_list[shard_id] + record
         try:
-            return self._finish(self._record_view(shard_id, record), shard_id, record, index, epoch)
+            view = self._record_view(shard_id, record)
+            if self.counters is not None:
+                self._count_read(shard_id, len(view))
+            return self._finish(view, shard_id, record, index, epoch)
+        except CorruptRecordError as error:
+            return self._skip(error)
+
+    def _count_read(self, shard_id: int, nbytes: int) -> None:
+        tier = self.tier_of(shard_id) if self.tier_of is not None else "source"
+        assert self.counters is not None
+        self.counters.add(f"served_{tier}_bytes", nbytes)
+        if tier == "source":
+            self.counters.add("source_records")
+
+    def read_into(
+        self, key: tuple[int, int], out: np.ndarray, data: bytes | memoryview | None = None
+    ) -> int | None:
+        """Write sample ``key`` (``(epoch, index)``) into ``out`` through the transform's ``into``.
+
+        Returns its label, or None when it was skipped as damaged (``skip_corrupt``). ``data``: the
+        record's bytes obtained elsewhere (another rank), CRC-checked here with ``verify``. Used by
+        :class:`kaisoku.data.batches.ThreadedBatches`; the transform must have an ``into`` method
+        (:class:`ImageLabelTransform` has).
+        """
+        epoch, index = int(key[0]), key[1]
+        shard_id, record = self.shard_of(index)
+        index = self._starts_list[shard_id] + record
+        try:
+            if data is None:
+                data = self._record_view(shard_id, record)
+                if self.counters is not None:
+                    self._count_read(shard_id, len(data))
+            elif self.verify:
+                check_record(self.index, data, shard_id, record)
+            return self._finish(data, shard_id, record, index, epoch, out=out)
         except CorruptRecordError as error:
             return self._skip(error)
 
@@ -344,7 +401,15 @@ class ShardedDataset(torch.utils.data.Dataset):
     def _record_view(self, shard_id: int, record: int) -> memoryview:
         return record_view(self.index, self._buffer(shard_id), shard_id, record, verify=self.verify)
 
-    def _finish(self, data: bytes | memoryview, shard_id: int, record: int, index: int, epoch: int) -> Any:
+    def _finish(
+        self,
+        data: bytes | memoryview,
+        shard_id: int,
+        record: int,
+        index: int,
+        epoch: int,
+        out: np.ndarray | None = None,
+    ) -> Any:
         try:
             sample = self._codec.decode(data)
         except Exception as error:  # a malformed record that passed (or skipped) its checksum
@@ -363,6 +428,14 @@ class ShardedDataset(torch.utils.data.Dataset):
                         file=self.index.shards[shard_id].file,
                         record=record,
                     ) from None
+        if out is not None:
+            into = getattr(self.transform, "into", None)
+            if into is None:
+                raise KaisokuError(
+                    f"the dataset's transform {type(self.transform).__name__} cannot write into a batch "
+                    "buffer (it has no into method); use the processes loader (data.loader processes)"
+                )
+            return into(sample, index=index, epoch=epoch, out=out)
         if self.transform is not None:
             return self.transform(sample, index=index, epoch=epoch)
         return sample
@@ -371,6 +444,8 @@ class ShardedDataset(torch.utils.data.Dataset):
         if not self.skip_corrupt:
             raise error
         self.skipped += 1
+        if self.counters is not None:
+            self.counters.add("skipped_records")
         if self.skipped <= _LOGGED_SKIPS:
             logger.warning("skipped damaged record: %s", error)
         elif self.skipped == _LOGGED_SKIPS + 1:

@@ -3,6 +3,7 @@
 A packed dataset is a directory::
 
     DIR/index.json            the index (this module's schema, version FORMAT_VERSION)
+    DIR/index.tables          per-record tables (version 2; :mod:`kaisoku.data.tables`)
     DIR/shard-00000.kshard    records back to back, no header or padding
     DIR/shard-00001.kshard
     ...
@@ -13,31 +14,49 @@ The records and their checksums are :mod:`kaisoku.data.records`'; ``kaisoku insp
 The index holds, per shard, the file name, sample count, byte size, a CRC32 of the whole file,
 ``offsets`` (n + 1 byte offsets: record i is ``[offsets[i], offsets[i+1])``) and a CRC32 of each
 stored record; and, for every ``int`` field, the whole column (e.g. the labels) so that labels are
-known without reading a shard. No pickle: arrays are stored as raw bytes with an explicit dtype
-and shape, and the index is plain JSON.
+known without reading a shard. No pickle: the index is plain JSON. Version 2 keeps the per-record
+arrays (offsets, record CRCs, int columns) as little-endian tables in ``index.tables``, memory-mapped
+and shared by a node's processes; version 1 kept them as JSON lists inside ``index.json`` (still read,
+with a note suggesting ``kaisoku pack --upgrade``, which rewrites the index and leaves the shards).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kaisoku.data.codecs import codec_names
+from kaisoku.data.tables import (
+    TABLES_NAME,
+    check_offsets,
+    column_table,
+    describe_tables,
+    map_tables,
+    write_tables,
+)
 from kaisoku.errors import KaisokuError
-from kaisoku.fsutil import atomic_open
+from kaisoku.fsutil import atomic_open, atomic_write_text
+
+log = logging.getLogger(__name__)
 
 FORMAT_NAME = "kaisoku-shards"
 """The ``format`` value of every index; anything else is not ours."""
 
-FORMAT_VERSION = 1
-"""The index and record layout version this code writes and reads."""
+FORMAT_VERSION = 2
+"""The index and record layout version this code writes."""
+
+READABLE_VERSIONS = (1, 2)
+"""Index versions this code reads (1: per-record lists inside index.json)."""
+
+_NOTED_V1: set[str] = set()  # index paths whose version-1 note was given in this process
 
 INDEX_NAME = "index.json"
 """File name of the index inside a packed dataset directory."""
@@ -139,15 +158,8 @@ class ShardInfo:
     """uint32, one CRC32 per stored record."""
 
     def to_json(self) -> dict[str, Any]:
-        """The shard entry as it appears in the index."""
-        return {
-            "file": self.file,
-            "samples": self.samples,
-            "bytes": self.nbytes,
-            "crc32": self.crc32,
-            "offsets": self.offsets.tolist(),
-            "record_crc32": self.record_crc32.tolist(),
-        }
+        """The shard entry as it appears in the index (version 2: the per-record arrays are tables)."""
+        return {"file": self.file, "samples": self.samples, "bytes": self.nbytes, "crc32": self.crc32}
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -182,7 +194,18 @@ class Index:
     """Source items left out as unreadable when packing with skip_corrupt."""
 
     version: int = FORMAT_VERSION
-    """Format version of the index."""
+    """Format version of the index as read (what :meth:`dumps` writes is always :data:`FORMAT_VERSION`)."""
+
+    tables: Mapping[str, Any] | None = None
+    """The ``tables`` entry of a version-2 index (layout, size, CRC32 of ``index.tables``) once written or
+    read; None for an index not yet written or read from version 1."""
+
+    def __reduce__(self) -> Any:
+        # Read from disk: a new process maps the same tables file (shared pages) instead of receiving a
+        # private copy of every per-record array.
+        if self.version >= 2 and self.tables is not None and (self.root / INDEX_NAME).is_file():
+            return (read_index, (self.root / INDEX_NAME,))
+        return super().__reduce__()
 
     @property
     def num_samples(self) -> int:
@@ -219,11 +242,31 @@ class Index:
             f"{self.root} has no field {name!r}; its fields are {', '.join(f.name for f in self.fields)}"
         )
 
+    def write(self, directory: Path) -> Index:
+        """Write this index as version 2 into ``directory``: ``index.tables``, then ``index.json`` (atomic).
+
+        Returns the index as written (with its ``tables`` entry). The shards are not touched.
+        """
+        tables = write_tables(directory, self.per_record_arrays())
+        written = replace(self, root=directory, version=FORMAT_VERSION, tables=tables)
+        atomic_write_text(directory / INDEX_NAME, written.dumps())
+        return written
+
+    def per_record_arrays(self) -> dict[str, np.ndarray]:
+        """The arrays that go into ``index.tables``: offsets, record CRCs and int columns, by table name."""
+        arrays = {
+            "offsets": np.concatenate([s.offsets for s in self.shards]),
+            "record_crc32": np.concatenate([s.record_crc32 for s in self.shards]),
+        }
+        arrays.update({column_table(name): column for name, column in self.columns.items()})
+        return arrays
+
     def to_json(self) -> dict[str, Any]:
-        """The index document (deterministic: no paths, no times)."""
+        """The version-2 index document (deterministic: no paths, no times)."""
+        tables = self.tables if self.tables is not None else describe_tables(self.per_record_arrays())
         return {
             "format": FORMAT_NAME,
-            "version": self.version,
+            "version": FORMAT_VERSION,
             "codec": self.codec,
             "fields": [f.to_json() for f in self.fields],
             "num_samples": self.num_samples,
@@ -231,7 +274,8 @@ class Index:
             "source": self.source,
             "pack": dict(self.pack),
             "skipped": list(self.skipped),
-            "columns": {name: column.tolist() for name, column in self.columns.items()},
+            "columns": sorted(self.columns),
+            "tables": dict(tables),
             "shards": [shard.to_json() for shard in self.shards],
         }
 
@@ -251,28 +295,28 @@ def index_from_json(document: Any, root: Path, *, index_path: Path | None = None
     if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
         raise KaisokuError(f'{where} is not a kaisoku shard index (no "format": "{FORMAT_NAME}")')
     version = document.get("version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         if isinstance(version, int) and version > FORMAT_VERSION:
             advice = "it was written by a newer kaisoku; upgrade kaisoku to read it"
         else:
             advice = "re-pack the dataset with this kaisoku"
         raise KaisokuError(
-            f"{where} has format version {version!r}, this kaisoku reads version {FORMAT_VERSION}: {advice}"
+            f"{where} has format version {version!r}, this kaisoku reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}: {advice}"
+        )
+    if version == 1 and str(where) not in _NOTED_V1:
+        _NOTED_V1.add(str(where))
+        log.warning(
+            "%s is index format version 1 (per-record lists parsed by every process); "
+            "kaisoku pack --upgrade %s rewrites it as version %d (the shards stay as they are)",
+            where,
+            root,
+            FORMAT_VERSION,
         )
     try:
-        codec = document["codec"]
-        _require(codec in codec_names(), where, f"unknown codec {codec!r}")
-        fields = tuple(
-            Field(
-                name=f["name"],
-                kind=f["kind"],
-                dtype=f.get("dtype"),
-                shape=tuple(int(d) for d in f["shape"]) if f.get("shape") is not None else None,
-            )
-            for f in document["fields"]
-        )
-        _require(len(fields) > 0, where, "no fields")
-        _require(len({f.name for f in fields}) == len(fields), where, "duplicate field names")
+        if version >= 2:
+            return _index_v2(document, root, where)
+        codec, fields = _header(document, where)
         shards = []
         for position, entry in enumerate(document["shards"]):
             name = entry["file"]
@@ -334,6 +378,109 @@ def index_from_json(document: Any, root: Path, *, index_path: Path | None = None
         raise KaisokuError(
             f"index {where} is damaged: {type(error).__name__}: {error}; re-pack the dataset"
         ) from None
+
+
+def _header(document: Mapping[str, Any], where: Path) -> tuple[str, tuple[Field, ...]]:
+    codec = document["codec"]
+    _require(codec in codec_names(), where, f"unknown codec {codec!r}")
+    fields = tuple(
+        Field(
+            name=f["name"],
+            kind=f["kind"],
+            dtype=f.get("dtype"),
+            shape=tuple(int(d) for d in f["shape"]) if f.get("shape") is not None else None,
+        )
+        for f in document["fields"]
+    )
+    _require(len(fields) > 0, where, "no fields")
+    _require(len({f.name for f in fields}) == len(fields), where, "duplicate field names")
+    return codec, fields
+
+
+def _index_v2(document: Mapping[str, Any], root: Path, where: Path) -> Index:
+    """Version 2: per-shard entries in JSON, the per-record arrays mapped from ``index.tables``."""
+    codec, fields = _header(document, where)
+    entries = document["shards"]
+    names = [entry["file"] for entry in entries]
+    for position, name in enumerate(names):
+        _require(
+            isinstance(name, str) and bool(_SHARD_NAME.match(name)) and name not in (".", ".."),
+            where,
+            f"shard {position} has a bad file name {name!r}",
+        )
+    samples = np.fromiter((int(e["samples"]) for e in entries), dtype=np.int64, count=len(entries))
+    nbytes = np.fromiter((int(e["bytes"]) for e in entries), dtype=np.int64, count=len(entries))
+    _require(bool(np.all(samples > 0)), where, "a shard has no samples")
+    total = int(samples.sum())
+    declared = int(document.get("num_samples", total))
+    _require(declared == total, where, f"num_samples {declared} != {total}, the sum over shards")
+    described = document["tables"]
+    tables = map_tables(root, described, where)
+    table_path = root / str(described.get("file", TABLES_NAME))
+    column_names = list(document.get("columns") or [])
+    for name, need in (("offsets", total + len(entries)), ("record_crc32", total)):
+        got = tables[name].size if name in tables else None
+        if got != need:
+            raise KaisokuError(
+                f"index table {name!r} in {table_path} has {got} entries, the shards in {where} need {need}; "
+                "re-pack the dataset"
+            )
+    for name in column_names:
+        got = tables[column_table(name)].size if column_table(name) in tables else None
+        if got != total:
+            raise KaisokuError(
+                f"index table {column_table(name)!r} in {table_path} has {got} entries, not {total}; "
+                "re-pack the dataset"
+            )
+    for f in fields:
+        _require(f.kind != "int" or f.name in column_names, where, f"int field {f.name!r} has no column")
+    firsts = np.zeros(len(entries), dtype=np.int64)
+    np.cumsum(samples[:-1] + 1, out=firsts[1:])
+    offsets, record_crc = tables["offsets"], tables["record_crc32"]
+    problem = check_offsets(offsets, firsts, samples, nbytes, names)
+    if problem is not None:
+        raise KaisokuError(
+            f"index table {table_path} does not match the shards: {problem}; re-pack the dataset"
+        )
+    starts = firsts - np.arange(len(entries), dtype=np.int64)
+    shards = tuple(
+        ShardInfo(
+            file=names[s],
+            samples=int(samples[s]),
+            nbytes=int(nbytes[s]),
+            crc32=int(entries[s]["crc32"]),
+            offsets=offsets[int(firsts[s]) : int(firsts[s] + samples[s]) + 1],
+            record_crc32=record_crc[int(starts[s]) : int(starts[s] + samples[s])],
+        )
+        for s in range(len(entries))
+    )
+    classes = document.get("classes")
+    return Index(
+        root=root,
+        codec=codec,
+        fields=fields,
+        shards=shards,
+        columns={name: tables[column_table(name)] for name in column_names},
+        classes=tuple(str(c) for c in classes) if classes is not None else None,
+        source=str(document.get("source", "")),
+        pack=dict(document.get("pack") or {}),
+        skipped=tuple(str(s) for s in document.get("skipped") or ()),
+        version=2,
+        tables=dict(described),
+    )
+
+
+def upgrade_index(path: str | Path) -> tuple[Index, int]:
+    """Rewrite the index of the dataset at ``path`` as the current version; ``(index, old version)``.
+
+    Only ``index.json`` and ``index.tables`` are written; the shards stay as they are. A current index is
+    left alone.
+    """
+    _NOTED_V1.add(str(resolve_index_path(path)))  # no advice to upgrade while upgrading
+    index = read_index(path)
+    if index.version == FORMAT_VERSION:
+        return index, index.version
+    return index.write(index.root), index.version
 
 
 def split_dirs(path: Path) -> list[Path]:

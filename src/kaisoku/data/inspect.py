@@ -11,6 +11,7 @@ import numpy as np
 
 from kaisoku.data.format import FORMAT_NAME, INDEX_NAME, Index, read_index, split_dirs
 from kaisoku.data.records import CorruptRecordError, record_view
+from kaisoku.data.tables import TABLES_NAME, tables_crc
 from kaisoku.errors import KaisokuError
 from kaisoku.units import format_bytes
 
@@ -129,6 +130,12 @@ def inspect_dataset(path: str | Path, verify: bool = False) -> InspectReport:
         if not verify:
             continue
         found: list[str] = []
+        if index.tables is not None:
+            crc, stored = tables_crc(index.root, index.tables), int(index.tables["crc32"])
+            if crc != stored:
+                found.append(
+                    f"{index.root / TABLES_NAME}: CRC32 {crc:#010x}, the index says {stored:#010x}; re-pack"
+                )
         for shard_id, shard in enumerate(index.shards):
             shard_path = index.root / shard.file
             try:

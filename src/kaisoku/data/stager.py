@@ -20,8 +20,10 @@ import logging
 import os
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +52,7 @@ STATE_IDLE, STATE_RUNNING, STATE_DONE, STATE_FAILED = range(4)
 COUNTERS = ("source_reads", "source_bytes", "ram_opens", "local_opens", "staged_bytes", "waits")
 """Per-process counters: source reads and bytes, shard files mapped per tier, bytes staged, waits."""
 EPOCH_SHIFT = 32
-_COPY_CHUNK = 8 << 20
+_COUNT_LOCK = threading.Lock()  # orders the threads of one process; other processes own other rows
 
 
 def progress_ticket(epoch: int, steps_done: int) -> int:
@@ -71,27 +73,35 @@ class ControlFiles:
     progress: np.ndarray
     """Per local rank, the progress ticket it reported."""
     counters: np.ndarray
-    """Rows: local ranks, then the stager; columns: :data:`COUNTERS`."""
+    """Rows: ``slots`` per local rank (its main process, then one per DataLoader worker: every process
+    writes only its own row, so no update is lost), then the stager's; columns: :data:`COUNTERS`."""
 
     @staticmethod
-    def layout(num_shards: int, ranks_per_node: int) -> list[tuple[str, Any, int]]:
+    def layout(num_shards: int, ranks_per_node: int, slots: int = 1) -> list[tuple[str, Any, int]]:
         """``(file name, dtype, length)`` of each control file."""
         return [
             ("flags.bin", np.uint8, num_shards),
             ("next_load.bin", np.int64, num_shards),
             ("control.bin", np.int64, 4),
             ("progress.bin", np.int64, ranks_per_node),
-            ("counters.bin", np.int64, (ranks_per_node + 1) * len(COUNTERS)),
+            ("counters.bin", np.int64, (ranks_per_node * slots + 1) * len(COUNTERS)),
         ]
 
     @classmethod
     def create(
-        cls, directory: Path, num_shards: int, ranks_per_node: int, *, ram_on: bool, local_on: bool
+        cls,
+        directory: Path,
+        num_shards: int,
+        ranks_per_node: int,
+        *,
+        ram_on: bool,
+        local_on: bool,
+        slots: int = 1,
     ) -> None:
         """Write fresh control files: nothing staged, no load planned, no progress, tiers as given."""
-        for name, dtype, count in cls.layout(num_shards, ranks_per_node):
+        for name, dtype, count in cls.layout(num_shards, ranks_per_node, slots):
             np.zeros(count, dtype=dtype).tofile(directory / name)
-        files = cls.open(directory, ranks_per_node)
+        files = cls.open(directory, ranks_per_node, slots)
         files.control[RAM_ON_SLOT] = int(ram_on)
         files.control[LOCAL_ON_SLOT] = int(local_on)
         files.control[EPOCH_SLOT] = -1
@@ -101,30 +111,53 @@ class ControlFiles:
             array.flush()
 
     @classmethod
-    def open(cls, directory: Path, ranks_per_node: int) -> ControlFiles:
-        """Map the control files written by :meth:`create`."""
+    def open(cls, directory: Path, ranks_per_node: int, slots: int = 1) -> ControlFiles:
+        """Map the control files written by :meth:`create` (with the same ``slots``)."""
         return cls(
             flags=np.memmap(directory / "flags.bin", dtype=np.uint8, mode="r+"),
             next_load=np.memmap(directory / "next_load.bin", dtype=np.int64, mode="r+"),
             control=np.memmap(directory / "control.bin", dtype=np.int64, mode="r+"),
             progress=np.memmap(directory / "progress.bin", dtype=np.int64, mode="r+"),
             counters=np.memmap(directory / "counters.bin", dtype=np.int64, mode="r+").reshape(
-                ranks_per_node + 1, len(COUNTERS)
+                ranks_per_node * slots + 1, len(COUNTERS)
             ),
         )
 
     def count(self, row: int, name: str, amount: int = 1) -> None:
-        """Add ``amount`` to counter ``name`` of ``row`` (a local rank, or the stager's row)."""
-        self.counters[row, COUNTERS.index(name)] += amount
+        """Add ``amount`` to counter ``name`` of ``row`` (a reader process's row, or the stager's)."""
+        with _COUNT_LOCK:
+            self.counters[row, COUNTERS.index(name)] += amount
 
     def tier_on(self, tier: str) -> bool:
         """Whether ``tier`` (ram or local) is staging."""
         return bool(self.control[RAM_ON_SLOT if tier == "ram" else LOCAL_ON_SLOT])
 
 
+def read_whole(path: Path) -> bytes:
+    """The whole file at ``path``, read sequentially."""
+    with open(path, "rb") as handle:
+        return handle.read()
+
+
 def staged_name(shard: int) -> str:
     """The file name of a staged shard in a tier."""
     return f"shard-{shard:06d}"
+
+
+def staged_shard(name: str) -> int | None:
+    """The shard id of a staged file's name (:func:`staged_name`), or None for any other name."""
+    if len(name) == 12 and name.startswith("shard-") and name[6:].isdigit():
+        return int(name[6:])
+    return None
+
+
+def file_crc32(path: Path) -> int:
+    """CRC32 of the file at ``path``, read in chunks."""
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(8 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 @dataclass(frozen=True)
@@ -163,6 +196,8 @@ class Stager:
         stager_row: int,
         warn_once: Callable[[str, str], None],
         warn_tier_off: Callable[[str, str], None],
+        reader: Callable[[Path], bytes] | None = None,
+        initial_local: Sequence[int] = (),
     ) -> None:
         self.files = files
         self.paths = paths
@@ -179,10 +214,15 @@ class Stager:
         self._staged = threading.Condition()
         self._staged_epoch = -1
         self._stalled_on: int | None = None
+        self.reader = reader or read_whole
+        self.initial_local = list(initial_local)
+        self._ahead: tuple[int, Future[bytes]] | None = None
+        self._ahead_pool: ThreadPoolExecutor | None = None
 
     def start(self, schedule: StagingSchedule) -> None:
         """Start the stager thread on ``schedule``."""
         self.files.control[STATE_SLOT] = STATE_RUNNING
+        self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="kaisoku-read-ahead")
         self._thread = threading.Thread(
             target=self._stage,
             args=(schedule.trace_of_epoch, schedule.first_epoch, schedule.start_step, schedule.num_epochs),
@@ -197,6 +237,10 @@ class Stager:
         if self._thread is not None:
             self._thread.join(30)
             self._thread = None
+        if self._ahead_pool is not None:
+            self._ahead_pool.shutdown(wait=True, cancel_futures=True)
+            self._ahead_pool = None
+        self._ahead = None
 
     def wait_staged(self, epoch: int, timeout: float = 60.0) -> bool:
         """Block until the stager has executed every action of ``epoch``'s plan (or stopped)."""
@@ -235,7 +279,7 @@ class Stager:
     ) -> None:
         stager_row = self.stager_row
         # Per tier, the resident shards in load order (dicts as ordered sets).
-        resident: dict[str, dict[int, None]] = {"local": {}, "ram": {}}
+        resident: dict[str, dict[int, None]] = {"local": dict.fromkeys(self.initial_local), "ram": {}}
         last_use: dict[int, int] = {}
         state = STATE_DONE
         try:
@@ -314,6 +358,7 @@ class Stager:
         actions = [(tier, action) for *_, tier, action in merged]
         loads = self._publish_next_loads(epoch, actions, 0, set())
         pending: dict[int, int] = {}
+        teed: set[int] = set()
         window_end = 0
         for index, (tier, action) in enumerate(actions):
             if self._stop.is_set():
@@ -334,7 +379,16 @@ class Stager:
             elif action.kind == "load":
                 pending[action.shard] -= 1
                 loads[action.shard].popleft()
-                if self._load(tier, action.shard, resident, stager_row):
+                if tier == "ram" and action.shard in teed:
+                    teed.discard(action.shard)  # written by the local load just before: one source read
+                    loaded = True
+                else:
+                    tee = self._tees(actions, index)
+                    ahead = self._next_source_load(actions, index, resident, tee)
+                    loaded = self._load(tier, action.shard, resident, stager_row, tee=tee, ahead=ahead)
+                    if loaded and tee and self.paths.path("ram", action.shard).exists():
+                        teed.add(action.shard)
+                if loaded:
                     resident[tier][action.shard] = None
                 else:
                     # The tier is full or unwritable: forget its loads so that no reader waits on them.
@@ -437,35 +491,87 @@ class Stager:
             with self._staged:
                 self._stalled_on = None
 
-    def _load(self, tier: str, shard: int, resident: dict[str, dict[int, None]], stager_row: int) -> bool:
+    def _tees(self, actions: Sequence[tuple[str, StagingAction]], index: int) -> bool:
+        """Whether the local load at ``index`` is followed by the same shard's RAM load: write both at once."""
+        tier, action = actions[index]
+        if tier != "local" or index + 1 >= len(actions) or not self.files.tier_on("ram"):
+            return False
+        next_tier, following = actions[index + 1]
+        return next_tier == "ram" and following.kind == "load" and following.shard == action.shard
+
+    def _next_source_load(
+        self,
+        actions: Sequence[tuple[str, StagingAction]],
+        index: int,
+        resident: dict[str, dict[int, None]],
+        tee: bool,
+    ) -> int | None:
+        """The shard of the next load after ``index`` that reads the source (the read-ahead's target)."""
+        for tier, action in actions[index + 1 + int(tee) : index + 65]:
+            if action.kind != "load" or not self.files.tier_on(tier):
+                continue
+            if tier == "local" or action.shard not in resident["local"]:
+                return action.shard
+        return None
+
+    def _source_bytes(self, shard: int, stager_row: int) -> bytes:
+        """Shard ``shard`` from the source: the read-ahead's bytes when it read this shard, else read now."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == shard:
+            return ahead[1].result()
+        if ahead is not None:
+            ahead[1].result()  # a read the plan no longer needs: finish it (counted) and drop it
+        return self._read_counted(shard, stager_row)
+
+    def _read_counted(self, shard: int, stager_row: int) -> bytes:
+        data = self.reader(self.paths.source[shard])
+        self.files.count(stager_row, "source_reads")
+        self.files.count(stager_row, "source_bytes", len(data))
+        return data
+
+    def _load(
+        self,
+        tier: str,
+        shard: int,
+        resident: dict[str, dict[int, None]],
+        stager_row: int,
+        *,
+        tee: bool = False,
+        ahead: int | None = None,
+    ) -> bool:
         """Copy one whole shard into ``tier``; False (after one warning) if the tier cannot take it.
 
-        A failure to read the source is raised (it is not the cache's to hide); a failure to write the
-        tier switches the tier off.
+        A source read feeds the local tier and, with ``tee``, the RAM tier too (the next action loads the
+        same shard there); ``ahead`` is the next shard read from the source, whose read starts before this
+        one's writes, so the link never waits on a tier. A failure to read the source is raised (it is
+        not the cache's to hide); a failure to write the tier switches the tier off.
         """
         from_local = tier == "ram" and shard in resident["local"]
-        source = self.paths.path("local", shard) if from_local else self.paths.source[shard]
+        if from_local:
+            data = read_whole(self.paths.path("local", shard))
+        else:
+            data = self._source_bytes(shard, stager_row)
+        if ahead is not None and ahead != shard and self._ahead_pool is not None:
+            self._ahead = (ahead, self._ahead_pool.submit(self._read_counted, ahead, stager_row))
+        if not self._write(tier, shard, data):
+            return False
+        self.files.count(stager_row, "staged_bytes", len(data))
+        if tee and self._write("ram", shard, data, quiet=True):
+            self.files.count(stager_row, "staged_bytes", len(data))
+        return True
+
+    def _write(self, tier: str, shard: int, data: bytes, *, quiet: bool = False) -> bool:
+        """Write ``data`` as ``shard`` in ``tier`` (temporary name, then rename); False if it cannot."""
         target = self.paths.path(tier, shard)
         tmp = target.with_name(f".{target.name}.tmp")
-        copied = 0
-        with open(source, "rb") as src:
-            try:
-                dst = open(tmp, "wb")  # closed by the with-block below
-            except OSError as error:
-                return self._tier_failed(tier, error)
-            try:
-                with dst:
-                    while chunk := src.read(_COPY_CHUNK):
-                        dst.write(chunk)
-                        copied += len(chunk)
-                os.replace(tmp, target)
-            except OSError as error:
-                tmp.unlink(missing_ok=True)
-                return self._tier_failed(tier, error)
-        if not from_local:
-            self.files.count(stager_row, "source_reads")
-            self.files.count(stager_row, "source_bytes", copied)
-        self.files.count(stager_row, "staged_bytes", copied)
+        try:
+            with open(tmp, "wb") as dst:
+                dst.write(data)
+            os.replace(tmp, target)
+        except OSError as error:
+            tmp.unlink(missing_ok=True)
+            # A failed tee is left to the RAM load that follows it, which reports it the usual way.
+            return False if quiet else self._tier_failed(tier, error)
         return True
 
     def _tier_failed(self, tier: str, error: OSError) -> bool:

@@ -396,7 +396,8 @@ class CacheSettings:
     local_dir: str = ""
     """Node-local directory for the disk tier (``data.local_cache``); empty: no disk tier."""
     local_capacity: int = 0
-    """Bytes the disk tier may use (``data.local_capacity``)."""
+    """Bytes the disk tier may use (``data.local_capacity``); 0 with a ``local_dir``: the free space of
+    its file system minus a margin (:func:`kaisoku.data.cache.auto_local_capacity`)."""
     ram_dir: str = "/dev/shm/kaisoku"
     """Directory for the RAM tier and the cache's control files (``data.ram_dir``)."""
     ram_capacity: int = 0
@@ -415,5 +416,5 @@ class CacheSettings:
 
     @property
     def enabled(self) -> bool:
-        """True when any tier has a capacity."""
-        return self.local_capacity > 0 or self.ram_capacity > 0
+        """True when any tier has a capacity, or a local directory (whose capacity is then its free space)."""
+        return self.local_capacity > 0 or self.ram_capacity > 0 or bool(self.local_dir)

@@ -9,6 +9,7 @@ loader ships uint8 (4x fewer bytes than float32).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -119,6 +120,13 @@ def _mix64(value: int) -> int:
     return value ^ (value >> 31)
 
 
+@functools.lru_cache(maxsize=64)
+def _epoch_key(seed: int, epoch: int) -> int:
+    """The stream key of ``(seed, epoch)``, shared by every sample of the epoch (computed once)."""
+    key = _mix64((seed + _GOLDEN64) & _MASK64)
+    return _mix64(((key ^ (epoch & _MASK64)) + _GOLDEN64) & _MASK64)
+
+
 class KeyedRandom:
     """A SplitMix64 stream whose start is a pure function of ``(seed, epoch, index)``.
 
@@ -130,9 +138,12 @@ class KeyedRandom:
     __slots__ = ("_state",)
 
     def __init__(self, seed: int, epoch: int, index: int) -> None:
-        key = _mix64((seed + _GOLDEN64) & _MASK64)
-        key = _mix64(((key ^ (epoch & _MASK64)) + _GOLDEN64) & _MASK64)
+        key = _epoch_key(seed, epoch)
         self._state = _mix64(((key ^ (index & _MASK64)) + _GOLDEN64) & _MASK64)
+
+    def skip(self, draws: int) -> None:
+        """Advance past ``draws`` draws without computing them (the stream is counter-based)."""
+        self._state = (self._state + draws * _GOLDEN64) & _MASK64
 
     def random(self) -> float:
         """The next float, uniform in [0, 1)."""
@@ -161,6 +172,10 @@ def random_crop_box(
     Area fraction from ``spec.scale``, aspect ratio log-uniform in ``spec.ratio``; after ten misses
     the centre crop with the ratio clamped into range, as torchvision does.
     """
+    if spec.scale == (1.0, 1.0) and spec.ratio == (1.0, 1.0) and height == width:
+        # The whole square image, as the loop below finds on its first attempt (its 4 draws skipped).
+        rng.skip(4)
+        return 0, 0, width, height
     area = height * width
     log_lo, log_hi = math.log(spec.ratio[0]), math.log(spec.ratio[1])
     for _ in range(_CROP_ATTEMPTS):
@@ -225,6 +240,21 @@ def augment(image: np.ndarray, spec: AugmentSpec, *, seed: int, epoch: int, inde
     gives 1 x size x size. (:func:`decode_image` always yields RGB.)
     """
     image = _as_image(image)
+    channels = 1 if image.ndim == 2 else 3
+    out = np.empty((channels, spec.size, spec.size), dtype=np.uint8)
+    augment_into(image, spec, seed=seed, epoch=epoch, index=index, out=out)
+    return out
+
+
+def augment_into(
+    image: np.ndarray, spec: AugmentSpec, *, seed: int, epoch: int, index: int, out: np.ndarray
+) -> None:
+    """:func:`augment` written into ``out`` (a CHW uint8 array, e.g. a slot of a batch buffer).
+
+    The crop, resample, flip and transpose end in one strided copy into ``out`` (which releases the GIL),
+    so a batch filled by several threads costs no extra copy per sample.
+    """
+    image = _as_image(image)
     height, width = image.shape[:2]
     flip = False
     if spec.train:
@@ -233,12 +263,68 @@ def augment(image: np.ndarray, spec: AugmentSpec, *, seed: int, epoch: int, inde
         flip = spec.flip and bool(rng.integers(0, 2))
     else:
         box = center_crop_box(height, width)
-    out = _resize_box(image, box, spec.size)
+    resized = _resize_box(image, box, spec.size)
     if flip:
-        out = out[:, ::-1]
-    if out.ndim == 2:
-        return np.ascontiguousarray(out[None])
-    return np.ascontiguousarray(out.transpose(2, 0, 1))
+        resized = resized[:, ::-1]
+    expected = (1 if resized.ndim == 2 else 3, spec.size, spec.size)
+    if out.shape != expected:
+        raise KaisokuError(f"augment output is {expected}, the buffer given is {tuple(out.shape)}")
+    if resized.ndim == 2:
+        np.copyto(out[0], resized)
+    else:
+        np.copyto(out, resized.transpose(2, 0, 1))
+
+
+def crop_decode_into(
+    data: bytes | memoryview,
+    spec: AugmentSpec,
+    *,
+    seed: int,
+    epoch: int,
+    index: int,
+    out: np.ndarray,
+    name: str = "",
+) -> None:
+    """:func:`augment_into` of an encoded image, decoding only as much of a JPEG as the crop needs.
+
+    The crop box and the flip are drawn exactly as for a full decode (they depend only on the image's size,
+    read from the JPEG header); libjpeg-turbo then decodes at the smallest DCT scale (1/2, 1/4, 1/8) at
+    which the box still covers ``spec.size`` pixels each way, and the box is resized from that scaled image.
+    Much faster where the crop is much larger than the output (large photos); the pixels differ slightly
+    from an exact decode's (a DCT-domain downscale instead of a bilinear one). Anything that is not a
+    baseline RGB/grey JPEG falls back to the exact path.
+    """
+    if len(data) < 2 or bytes(data[:2]) != _JPEG_MAGIC:
+        augment_into(decode_image(data, name=name), spec, seed=seed, epoch=epoch, index=index, out=out)
+        return
+    try:
+        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError:
+        augment_into(decode_image(data, name=name), spec, seed=seed, epoch=epoch, index=index, out=out)
+        return
+    flip = False
+    if spec.train:
+        rng = augment_rng(seed, epoch, index)
+        left, top, right, bottom = random_crop_box(height, width, spec, rng)
+        flip = spec.flip and bool(rng.integers(0, 2))
+    else:
+        left, top, right, bottom = center_crop_box(height, width)
+    need_h = math.ceil(height * spec.size / max(bottom - top, 1))
+    need_w = math.ceil(width * spec.size / max(right - left, 1))
+    try:
+        image = simplejpeg.decode_jpeg(
+            data, colorspace="RGB", min_height=need_h, min_width=need_w, strict=True
+        )
+    except ValueError:
+        image = decode_image(data, name=name)
+    sy, sx = image.shape[0] / height, image.shape[1] / width
+    box = (left * sx, top * sy, right * sx, bottom * sy)
+    if image.shape[:2] == (height, width):
+        box = (left, top, right, bottom)  # not scaled: exactly the full decode's crop
+    resized = _resize_box(image, box, spec.size)
+    if flip:
+        resized = resized[:, ::-1]
+    np.copyto(out, resized.transpose(2, 0, 1))
 
 
 def collate(samples: Sequence[tuple[np.ndarray, int] | None]) -> tuple[torch.Tensor, torch.Tensor]:

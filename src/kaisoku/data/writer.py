@@ -44,7 +44,6 @@ from kaisoku.data.sources import (
     scan_image_tree,
 )
 from kaisoku.errors import KaisokuError
-from kaisoku.fsutil import atomic_write_text
 from kaisoku.units import parse_bytes
 
 DEFAULT_SHARD_BYTES = 64 * 1024**2
@@ -297,7 +296,7 @@ def _finish(
         pack=dict(pack_args),
         skipped=tuple(skipped),
     )
-    atomic_write_text(directory / INDEX_NAME, index.dumps())
+    index = index.write(directory)
     _remove_stale_shards(directory, {shard.file for shard in shards})
     return index
 

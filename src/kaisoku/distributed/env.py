@@ -109,6 +109,20 @@ def pick_device(preference: str, world: World) -> torch.device:
     return torch.device("cpu")
 
 
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun, its store with a key prefix of this restart attempt; None elsewhere.
+
+    torchrun's agent serves one TCPStore for all restarts. Without a per-attempt prefix the ranks of a
+    restart can read the addresses the previous attempt's ranks published under the same keys and
+    fail with ``Gloo connectFullMesh failed ... Connection refused`` before their peer overwrites them.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or not inside_torchrun():
+        return None
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    return dist.PrefixStore(f"kaisoku/attempt-{restart}", store)
+
+
 class ProcessGroupInit:
     """Initialise the default process group, now or in a background thread.
 
@@ -143,11 +157,15 @@ class ProcessGroupInit:
                 os.environ.setdefault("MASTER_PORT", "29500")
                 os.environ.setdefault("RANK", str(self.world.rank))
                 os.environ.setdefault("WORLD_SIZE", str(self.world.world_size))
+            store = _attempt_store(self.timeout)
+            where: dict[str, object] = {}
+            if store is not None:
+                where = {"store": store, "rank": self.world.rank, "world_size": self.world.world_size}
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-                dist.init_process_group("nccl", timeout=self.timeout, device_id=self.device)
+                dist.init_process_group("nccl", timeout=self.timeout, device_id=self.device, **where)
             else:
-                dist.init_process_group("gloo", timeout=self.timeout)
+                dist.init_process_group("gloo", timeout=self.timeout, **where)
         except BaseException as error:  # re-raised in wait(), on the main thread
             self.error = error
         self.seconds = time.perf_counter() - start
@@ -230,3 +248,11 @@ def planned_world_size(nproc: int) -> int:
     if inside_torchrun() or inside_slurm_step():
         return world_from_env().world_size
     return nproc or default_nproc()
+
+
+def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
+    """The maximum of a few floats over all ranks (one collective); identity on a single rank."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()

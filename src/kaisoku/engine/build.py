@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -20,12 +20,17 @@ from kaisoku.distributed.data_parallel import BucketPlan, wrap_ddp
 from kaisoku.distributed.layout import resolve_schedule
 from kaisoku.distributed.mesh import rank_coordinates
 from kaisoku.distributed.pipeline import HybridOptions
+from kaisoku.engine import failures
 from kaisoku.engine.checkpoint import CheckpointManager
+from kaisoku.engine.compile import compile_run
 from kaisoku.engine.data_build import build_data, dataset_root
+from kaisoku.engine.divergence import NonFiniteGuard
 from kaisoku.engine.hybrid import HybridStep
 from kaisoku.engine.metrics import MetricsLogger, print_summary
+from kaisoku.engine.report import finish_line, write_report
 from kaisoku.engine.step import DataParallelStep, Precision, Preconditioner, StepEngine
 from kaisoku.engine.trainer import Trainer, TrainSettings, steps_for
+from kaisoku.errors import KaisokuError
 from kaisoku.models.zoo import build_model
 from kaisoku.optim.factory import build_optimizer, build_optimizer_from_named, build_scheduler
 
@@ -64,6 +69,10 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
     channels_last = device.type == "cuda" and not hybrid
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if cfg.memory.recompute != "none":
+        from kaisoku.memory.checkpointing import apply_recompute
+
+        apply_recompute(model, cfg.memory.recompute, cfg.memory.blocks)
     # Under hybrid parallelism each rank's optimizer covers its stage only; the engine builds it.
     optimizer = None if hybrid else build_optimizer(model, cfg.optim)
     build_seconds = time.perf_counter() - build_start
@@ -85,6 +94,7 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
         build_scheduler, cfg=cfg.sched, steps_per_epoch=steps_per_epoch, total_steps=horizon
     )
     precision = Precision(cfg.train.precision, device)
+    guard = NonFiniteGuard(model, device, every_step=cfg.train.on_nonfinite == "skip")
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
     engine: StepEngine
     if hybrid:
@@ -117,7 +127,31 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
                 cap_mb=cfg.dist.bucket_cap_mb,
                 growth=cfg.dist.bucket_growth,
             )
-            model = wrap_ddp(model, device, plan=plan, compress_bf16=cfg.dist.compress == "bf16")
+            # Under update-in-backward the memory hook does the (optionally bf16) all-reduce itself.
+            compress = cfg.dist.compress == "bf16" and not cfg.memory.update_in_backward
+            model = wrap_ddp(model, device, plan=plan, compress_bf16=compress)
+        # Before the scheduler wraps optimizer.step; the DDP wrapper is what gets compiled.
+        compile_run(
+            cfg.train.compile,
+            model,
+            optimizer,
+            loss_fn=loss_fn,
+            autocast=precision.autocast,
+            input_shape=(
+                max(1, cfg.data.global_batch // world.world_size // cfg.train.grad_accum),
+                data.in_channels,
+                cfg.data.image_size,
+                cfg.data.image_size,
+            ),
+            num_classes=cfg.model.num_classes or data.num_classes,
+            device=device,
+            seed=cfg.train.seed,
+            announce=world.is_main,
+        )
+        if cfg.memory.update_in_backward:
+            from kaisoku.memory.in_backward import attach_update_in_backward
+
+            attach_update_in_backward(model, optimizer, compress_bf16=cfg.dist.compress == "bf16")
         engine = DataParallelStep(
             model,
             optimizer,
@@ -125,6 +159,8 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
             loss_fn=loss_fn,
             precision=precision,
             preconditioner=_build_kfac(cfg, model, optimizer, precision, group),
+            guard=guard,
+            update_in_backward=cfg.memory.update_in_backward,
         )
     run_dir = Path(cfg.run_dir).expanduser()
     metrics = MetricsLogger(
@@ -150,12 +186,17 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
             channels_last=channels_last,
             mean=data.mean,
             std=data.std,
+            on_nonfinite=cfg.train.on_nonfinite,
+            max_skips=cfg.train.max_skips,
+            rollback_lr_scale=cfg.train.rollback_lr_scale,
+            max_rollbacks=cfg.train.max_rollbacks,
         ),
         world=world,
         device=device,
         metrics=metrics,
         checkpoints=CheckpointManager(run_dir / "checkpoints", keep=cfg.checkpoint.keep),
         config_dict=to_dict(cfg),
+        guard=guard,
     )
     metrics.log(
         {
@@ -202,6 +243,7 @@ def _build_kfac(
         skip_layers=tuple(k.skip_layers),
         grad_accum=cfg.train.grad_accum,
         bucket_cap_mb=k.bucket_cap_mb,
+        stat_fraction=k.stat_fraction,
         grad_scaler=precision.scaler,  # K-FAC builds G from unscaled gradients under fp16
         process_group=group,
     )
@@ -226,6 +268,13 @@ def _resume(trainer: Trainer, resume: str) -> None:
     state = CheckpointManager.load(Path(path))
     trainer.load_state_dict(state, source=f"checkpoint {path}")
     trainer.metrics.message(f"resumed from {path} at step {trainer.state.step}")
+    old, new = int(state.get("world_size", 0)), trainer.world.world_size
+    if old and old != new:
+        # Sample order is keyed by (seed, epoch) and sliced by rank: the world size does not change it.
+        trainer.metrics.log({"step": trainer.state.step, "event": "world_size", "from": old, "to": new})
+        trainer.metrics.message(
+            f"world size changed since the checkpoint: {old} -> {new} ranks; the sample order is unchanged"
+        )
 
 
 def train_on_local_ranks(cfg: Config, nproc: int, *, rank_entry: Sequence[str] | None = None) -> int:
@@ -244,18 +293,23 @@ def train_on_local_ranks(cfg: Config, nproc: int, *, rank_entry: Sequence[str] |
     config_path = run_dir / "config.toml"
     atomic_write_text(config_path, to_toml(cfg))
     entry = list(rank_entry) if rank_entry is not None else ["-m", "kaisoku", "train"]
-    failure = launch_local(
-        [*entry, "--config", str(config_path)], nproc=nproc, max_restarts=cfg.dist.max_restarts
+    failures.clear_records(run_dir)
+    failures.mark_run(run_dir, status="running", started=time.time(), world_size=nproc, ended=None)
+    result = launch_local(
+        [*entry, "--config", str(config_path)],
+        nproc=nproc,
+        max_restarts=cfg.dist.max_restarts,
+        env={failures.LAUNCHER_ENV: "1"},
     )
-    if failure is None:
+    if result.ok:
+        failures.mark_run(run_dir, status="completed", ended=time.time())
         return 0
     CheckpointManager(run_dir / "checkpoints", keep=cfg.checkpoint.keep).remove_partial()
-    print(
-        f"kaisoku: rank {failure.rank} stopped ({failure.how}); all ranks were stopped. "
-        f"Complete checkpoints stay in {run_dir / 'checkpoints'}; rerun with --resume auto to continue.",
-        file=sys.stderr,
-    )
-    return 1
+    seen = [(f.rank, f.how, f.signal) for f in result.failures]
+    code = failures.report_launch(run_dir, seen, interrupted=result.interrupted)
+    with contextlib.suppress(KaisokuError):
+        write_report(run_dir)  # the crashed run's page, for a look at what led up to it
+    return code
 
 
 def run_training(cfg: Config, *, customize: Callable[[Trainer], None] | None = None) -> dict[str, Any]:
@@ -265,6 +319,12 @@ def run_training(cfg: Config, *, customize: Callable[[Trainer], None] | None = N
     run, e.g. to pause a checkpoint write).
     """
     world = env.world_from_env()
+    run_dir = Path(cfg.run_dir).expanduser()
+    launched = os.environ.get(failures.LAUNCHER_ENV) == "1"
+    if launched:
+        failures.redirect_to_log(run_dir, world.rank, keep_stdout=world.is_main)
+    elif world.is_main:  # no kaisoku launcher to keep run.json: this rank does
+        failures.mark_run(run_dir, status="running", started=time.time(), world_size=world.world_size)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or _threads_per_rank(world)))
     resume = cfg.checkpoint.resume
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
@@ -272,20 +332,33 @@ def run_training(cfg: Config, *, customize: Callable[[Trainer], None] | None = N
     # torchrun stops the other ranks with SIGTERM when one fails: exit through Python so that
     # a checkpoint being written removes its temp file instead of leaving it behind.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    trainer = build_trainer(cfg, world, resume=resume)
-    if customize is not None:
-        customize(trainer)
-    try:
-        summary = trainer.fit()
-    finally:
-        trainer.metrics.close()
-    env.barrier()  # no rank may still read staged shards when the node cache deletes them
-    close = getattr(trainer.train_loader, "close", None)
-    if close is not None:
-        close()
-    if world.is_main:
-        print_summary(summary)
-    env.shutdown()
+    built: list[Trainer] = []
+    with failures.rank_failures(
+        run_dir,
+        world.rank,
+        step=lambda: built[0].state.step if built else None,
+        device=lambda: str(built[0].device) if built else cfg.train.device,
+        skip_corrupt=cfg.data.skip_corrupt,
+        data=cfg.data.path,
+    ):
+        trainer = build_trainer(cfg, world, resume=resume)
+        built.append(trainer)
+        if customize is not None:
+            customize(trainer)
+        try:
+            summary = trainer.fit()
+        finally:
+            trainer.metrics.close()
+        env.barrier()  # no rank may still read staged shards when the node cache deletes them
+        close = getattr(trainer.train_loader, "close", None)
+        if close is not None:
+            close()
+        if world.is_main:
+            print_summary(summary)
+            print(finish_line(summary, run_dir), flush=True)
+            if not launched:
+                failures.mark_run(run_dir, status="completed", ended=time.time())
+        env.shutdown()
     return summary
 
 

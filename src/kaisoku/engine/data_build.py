@@ -12,11 +12,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from kaisoku.config import Config, data_settings
+from kaisoku.data.counters import LoaderCounters
 from kaisoku.data.datagen import ensure_demo_dataset
 from kaisoku.data.dataset import ImageLabelTransform, ShardedDataset
-from kaisoku.data.folder import ImageFolderDataset, ShardedEvalSampler, split_train_val
+from kaisoku.data.folder import FolderSampler, ImageFolderDataset, ShardedEvalSampler, split_train_val
 from kaisoku.data.loader import ShardLoader, label_count, packed_splits
-from kaisoku.data.sampler import EpochSampler, KeyedMicroBatches
+from kaisoku.data.sampler import KeyedMicroBatches
 from kaisoku.data.shuffle import ShuffleSpec
 from kaisoku.data.transforms import IMAGENET_MEAN, IMAGENET_STD, AugmentSpec, collate
 from kaisoku.distributed import env
@@ -77,12 +78,16 @@ def build_data(
     if packed is None:
         if shuffle.needs_shards or cache.enabled:
             raise ConfigError(
-                f"data.shuffle {cfg.data.shuffle}, data.local_capacity and data.ram_capacity need a packed "
+                f"data.shuffle {cfg.data.shuffle}, data.local_cache and data.ram_capacity need a packed "
                 f"dataset; run kaisoku pack {root} DST and train on DST"
             )
         train_files, val_files = split_train_val(root, cfg.data.val_fraction, cfg.train.seed)
-        sampler = EpochSampler(
+        counters = LoaderCounters(workers)
+        sampler = FolderSampler(
             [len(train_files)],
+            counters=counters,
+            root=root,
+            workers=workers,
             global_batch=cfg.data.global_batch,
             rank=train_rank,
             world_size=train_world,
@@ -90,7 +95,7 @@ def build_data(
             shuffle=ShuffleSpec(unpacked=True),
             micro_batches=cfg.train.grad_accum,
         )
-        train = ImageFolderDataset(train_files, train_spec, seed=cfg.train.seed)
+        train = ImageFolderDataset(train_files, train_spec, seed=cfg.train.seed, counters=counters)
         val = ImageFolderDataset(val_files, val_spec, seed=cfg.train.seed)
         return DataParts(
             train_loader=_loader(train, KeyedMicroBatches(sampler), workers, device),
@@ -104,24 +109,12 @@ def build_data(
     train_dir, val_dir = packed
     train_set = ShardedDataset(
         train_dir,
-        transform=ImageLabelTransform(spec=train_spec, seed=cfg.train.seed),
+        transform=ImageLabelTransform(spec=train_spec, seed=cfg.train.seed, crop_decode=cfg.data.crop_decode),
         skip_corrupt=cfg.data.skip_corrupt,
+        decode_images=not cfg.data.crop_decode,  # crop decoding needs the encoded bytes
     )
     in_channels = image_channels(train_set)
-    loader = ShardLoader(
-        train_set,
-        global_batch=cfg.data.global_batch,
-        rank=train_rank,
-        world_size=train_world,
-        ranks_per_node=world.local_world_size,
-        seed=cfg.train.seed,
-        shuffle=shuffle,
-        micro_batches=cfg.train.grad_accum,
-        workers=workers,
-        cache=cache,
-        num_epochs=math.ceil(cfg.train.epochs),
-        pin_memory=device.type == "cuda",
-    )
+    loader = shard_loader(cfg, world, device, train_set, shard=shard)
     val_loader = None
     if val_dir is not None:
         val_set = ShardedDataset(
@@ -139,6 +132,38 @@ def build_data(
         in_channels=in_channels,
         mean=mean,
         std=std,
+    )
+
+
+def shard_loader(
+    cfg: Config,
+    world: env.World,
+    device: torch.device,
+    train_set: ShardedDataset,
+    *,
+    shard: tuple[int, int] | None = None,
+) -> ShardLoader:
+    """The training :class:`ShardLoader` of ``cfg`` over ``train_set`` (shuffle, cache, batch path, workers).
+
+    :func:`build_data` calls it with the dataset it opens; ``kaisoku bench loader`` with its own, so that its
+    rows iterate exactly what training iterates.
+    """
+    train_rank, train_world = shard if shard is not None else (world.rank, world.world_size)
+    shuffle, cache = data_settings(cfg.data, world.num_nodes)
+    return ShardLoader(
+        train_set,
+        global_batch=cfg.data.global_batch,
+        rank=train_rank,
+        world_size=train_world,
+        ranks_per_node=world.local_world_size,
+        seed=cfg.train.seed,
+        shuffle=shuffle,
+        micro_batches=cfg.train.grad_accum,
+        workers=cfg.data.workers,
+        cache=cache,
+        num_epochs=math.ceil(cfg.train.epochs),
+        pin_memory=device.type == "cuda",
+        batch_path=cfg.data.loader,
     )
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
 import json
+import math
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,7 @@ class MetricsLogger:
         tensorboard: bool,
     ) -> None:
         self.enabled = enabled
+        self.start_time = time.monotonic()
         self._file = None
         self._progress = None
         self._task = None
@@ -83,11 +87,19 @@ class MetricsLogger:
             self._progress.update(self._task, completed=step, **fields)
 
     def log(self, record: dict[str, Any]) -> None:
-        """Append one metrics line (and its scalars to TensorBoard)."""
+        """Append one metrics line (and its scalars to TensorBoard), stamped with the time.
+
+        Every line is valid JSON: a non-finite value is written as ``null`` and its key listed under
+        ``"nonfinite"``. ``time`` is the wall clock (UTC, ISO 8601), ``elapsed_s`` the seconds since
+        this process started logging.
+        """
         if not self.enabled:
             return
+        record = clean_record(record)
+        record.setdefault("time", datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"))
+        record.setdefault("elapsed_s", round(time.monotonic() - self.start_time, 3))
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
             self._file.flush()
         if self._tb is not None:
             step = int(record.get("step", 0))
@@ -115,6 +127,16 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def clean_record(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with non-finite floats replaced by None and their keys listed under ``"nonfinite"``."""
+    bad = [key for key, value in record.items() if isinstance(value, float) and not math.isfinite(value)]
+    if not bad:
+        return dict(record)
+    out = {key: (None if key in bad else value) for key, value in record.items()}
+    out["nonfinite"] = bad
+    return out
 
 
 def print_summary(summary: dict[str, Any]) -> None:

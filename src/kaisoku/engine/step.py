@@ -19,6 +19,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from kaisoku.distributed.layout import ParallelLayout
 from kaisoku.distributed.named_state import load_named_optimizer_state
+from kaisoku.engine.divergence import NonFiniteGuard
 from kaisoku.errors import KaisokuError
 from kaisoku.models.blocks import state_names
 
@@ -113,7 +114,9 @@ class DataParallelStep:
     """Data parallelism: ``model`` (DDP-wrapped when distributed) with accumulation over micro-batches.
 
     Gradients are synchronised on the last micro-batch only (``no_sync`` before it); a preconditioner,
-    when given, sees unscaled, averaged gradients just before the optimizer step.
+    when given, sees unscaled, averaged gradients just before the optimizer step. With
+    ``update_in_backward`` the optimizer runs inside the backward pass (hooks installed by
+    :mod:`kaisoku.memory.in_backward`) and this engine only advances the schedule.
     """
 
     def __init__(
@@ -125,6 +128,8 @@ class DataParallelStep:
         loss_fn: LossFn,
         precision: Precision,
         preconditioner: Preconditioner | None = None,
+        guard: NonFiniteGuard | None = None,
+        update_in_backward: bool = False,
     ) -> None:
         self.wrapped = model
         self._optimizer = optimizer
@@ -132,6 +137,10 @@ class DataParallelStep:
         self.loss_fn = loss_fn
         self.precision = precision
         self.preconditioner = preconditioner
+        self.guard = guard
+        """Watches for non-finite gradients; with ``every_step`` a non-finite step is skipped."""
+        self.update_in_backward = update_in_backward
+        """The optimizer already ran inside backward (``kaisoku.memory.in_backward`` hooks): no step here."""
 
     @property
     def model(self) -> nn.Module:
@@ -163,6 +172,24 @@ class DataParallelStep:
                     loss = self.loss_fn(self.wrapped(images), labels) / count
                 scaler.scale(loss).backward()
             total += loss.detach().float()
+        if self.update_in_backward:
+            # Every parameter was updated as its gradient became final; what is left is bookkeeping.
+            self._optimizer.zero_grad(set_to_none=True)
+            self._scheduler.step()
+            return total
+        # Under fp16 the scaler skips overflowing steps itself; non-finite gradients are routine there.
+        if self.guard is not None and not scaler.is_enabled():
+            finite = self.guard.observe_grads()
+            if self.guard.every_step and not bool(finite):
+                # Skip the step as a gradient scaler does: no update, the schedule moves on.
+                self.guard.skipped += 1
+                self.guard.consecutive += 1
+                self.guard.reset()  # a skipped step is handled, not a divergence to report
+                self._optimizer.zero_grad(set_to_none=True)
+                self._scheduler.step()
+                return total
+            if self.guard.every_step:
+                self.guard.consecutive = 0
         if self.preconditioner is not None:
             scaler.unscale_(self._optimizer)
             self.preconditioner.step()

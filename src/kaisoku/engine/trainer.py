@@ -6,6 +6,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -14,6 +15,13 @@ from torch import nn
 from kaisoku.data.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize
 from kaisoku.distributed import env
 from kaisoku.engine.checkpoint import CheckpointManager
+from kaisoku.engine.divergence import (
+    NonFinite,
+    NonFiniteError,
+    NonFiniteGuard,
+    scale_learning_rate,
+    weights_finite,
+)
 from kaisoku.engine.metrics import MetricsLogger, peak_memory_mib
 from kaisoku.engine.step import MicroBatches, Precision, StepEngine
 from kaisoku.errors import KaisokuError
@@ -56,6 +64,14 @@ class TrainSettings:
     """Per-channel mean (0..1 scale) that input batches are normalised with."""
     std: tuple[float, ...] = IMAGENET_STD
     """Per-channel standard deviation (0..1 scale) for normalisation."""
+    on_nonfinite: str = "stop"
+    """stop, skip or rollback when the loss or a gradient goes non-finite."""
+    max_skips: int = 10
+    """skip: consecutive skipped steps that stop the run."""
+    rollback_lr_scale: float = 0.5
+    """rollback: learning-rate factor per rollback."""
+    max_rollbacks: int = 3
+    """rollback: rollbacks that stop the run."""
 
 
 @dataclass
@@ -90,6 +106,7 @@ class Trainer:
         checkpoints: CheckpointManager | None,
         config_dict: dict[str, Any] | None = None,
         on_step: Callable[[int], None] | None = None,
+        guard: NonFiniteGuard | None = None,
     ) -> None:
         self.engine = engine
         self.precision = precision
@@ -107,6 +124,15 @@ class Trainer:
         self.last_val: dict[str, float] = {}
         self.last_loss = float("nan")
         self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.guard = guard
+        # The engine watches gradients where it can; else the trainer watches the loss.
+        self._watch_loss = guard is not None and getattr(engine, "guard", None) is not guard
+        self.lr_scale = 1.0
+        self.rollbacks = 0
+        self._rolled_back_to: int | None = None
+        self._saved_since_rollback = False
+        self.data_totals: dict[str, float] = {}
+        self._paused = 0.0  # seconds of validation and checkpoints inside the current log window
 
     # ------------------------------------------------------------------------------------------------
     # State
@@ -134,6 +160,7 @@ class Trainer:
             "rng": {"torch": torch.get_rng_state()},
             "world_size": self.world.world_size,
             "config": self.config_dict,
+            "nonfinite": {"lr_scale": self.lr_scale},
         }
 
     def load_state_dict(self, state: dict[str, Any], *, source: str = "checkpoint") -> None:
@@ -153,15 +180,106 @@ class Trainer:
             epoch=int(state["data"]["epoch"]),
             step_in_epoch=int(state["data"]["step_in_epoch"]),
         )
+        self.lr_scale = float(state.get("nonfinite", {}).get("lr_scale", 1.0))
+        self._batches = None
 
     def save_checkpoint(self) -> None:
-        """Rank 0 writes a checkpoint; every rank takes part in gathering it and waits for the write."""
-        if self.checkpoints is not None:
-            state = self.state_dict()
-            if self.world.is_main:
-                path = self.checkpoints.save(state)
-                self.metrics.message(f"checkpoint {path}")
+        """Rank 0 writes a checkpoint; every rank takes part in gathering it and waits for the write.
+
+        Weights are checked first: a checkpoint with non-finite weights is never written (the
+        ``on_nonfinite`` policy acts instead).
+        """
+        if self.checkpoints is None:
+            return
+        if not self.check_finite(at_checkpoint=True):
+            return
+        start = time.perf_counter()
+        state = self.state_dict()
+        path = self.checkpoints.save(state) if self.world.is_main else None
         env.barrier()
+        self._saved_since_rollback = True
+        seconds = time.perf_counter() - start
+        self._paused += seconds
+        if path is not None:
+            self.metrics.log(
+                {"step": self.state.step, "event": "checkpoint", "seconds": seconds, "path": str(path)}
+            )
+            self.metrics.message(f"checkpoint {path}")
+
+    # ------------------------------------------------------------------------------------------------
+    # Non-finite losses and gradients
+
+    def check_finite(self, *, at_checkpoint: bool = False) -> bool:
+        """Read the non-finite flags (one sync, agreed over ranks) and apply the policy.
+
+        True when training may go on from here as it was; False after a rollback (the state changed).
+        """
+        if self.guard is None:
+            return True
+        found = self.guard.check()
+        weights_bad = at_checkpoint and not bool(weights_finite(self.engine.model))
+        local = 1.0 if found is not None or weights_bad else 0.0
+        if env.all_reduce_max([local], self.device)[0] == 0.0:
+            return True
+        if found is None:
+            found = NonFinite(step=self.state.step, where="weights")
+        if self.settings.on_nonfinite == "rollback":
+            self.rollback(found)
+            return False
+        raise NonFiniteError(_diverged(found))
+
+    def _rollback_target(self) -> str | None:
+        """The newest checkpoint, or the one before it when the run diverged again from it before
+        writing another; checkpoints after the target (the abandoned path) are deleted."""
+        assert self.checkpoints is not None
+        self.checkpoints.remove_partial()
+        paths = self.checkpoints.list()
+        if not paths:
+            return None
+        if self._rolled_back_to == _step_of(paths[-1]) and not self._saved_since_rollback and len(paths) > 1:
+            paths = paths[:-1]
+        target = paths[-1]
+        for later in self.checkpoints.list():
+            if _step_of(later) > _step_of(target):
+                later.unlink(missing_ok=True)
+        return str(target)
+
+    def rollback(self, found: NonFinite) -> None:
+        """Reload the newest checkpoint and scale the learning rate; NonFiniteError past the limit."""
+        self.rollbacks += 1
+        if self.rollbacks > self.settings.max_rollbacks:
+            raise NonFiniteError(
+                f"{_diverged(found)}; still diverging after {self.settings.max_rollbacks} rollbacks"
+            )
+        path: str | None = None
+        if self.world.is_main and self.checkpoints is not None:
+            path = self._rollback_target()
+        path = env.broadcast_object(path)  # type: ignore[assignment]
+        if path is None:
+            raise NonFiniteError(f"{_diverged(found)}; no checkpoint yet to roll back to")
+        from_step = self.state.step
+        target = self.lr_scale * self.settings.rollback_lr_scale
+        self.load_state_dict(CheckpointManager.load(Path(path)), source=f"checkpoint {path}")
+        scale_learning_rate(self.engine.scheduler, target / self.lr_scale)
+        self.lr_scale = target
+        self._rolled_back_to = self.state.step
+        self._saved_since_rollback = False
+        assert self.guard is not None
+        self.guard.reset()
+        self.metrics.log(
+            {
+                "step": self.state.step,
+                "event": "rollback",
+                "from_step": from_step,
+                "nonfinite_step": found.step,
+                "where": found.where,
+                "lr_scale": target,
+            }
+        )
+        self.metrics.message(
+            f"step {found.step}: {found.where} went non-finite; rolled back to step {self.state.step} "
+            f"with the learning rate x{target:g} ({self.rollbacks}/{self.settings.max_rollbacks})"
+        )
 
     # ------------------------------------------------------------------------------------------------
     # Steps
@@ -176,7 +294,17 @@ class Trainer:
 
     def train_step(self, micro_batches: MicroBatches) -> torch.Tensor:
         """One optimizer step over ``micro_batches``; returns the mean loss as a device tensor (no sync)."""
-        return self.engine.train_step([self._prepare(images, labels) for images, labels in micro_batches])
+        if self.guard is not None:
+            self.guard.step = self.state.step + 1
+        loss = self.engine.train_step([self._prepare(images, labels) for images, labels in micro_batches])
+        if self._watch_loss and self.guard is not None:
+            self.guard.observe_loss(loss)
+        if self.guard is not None and self.guard.consecutive >= self.settings.max_skips:
+            raise NonFiniteError(
+                f"{self.guard.consecutive} consecutive steps up to step {self.guard.step} had non-finite "
+                "gradients (all skipped)"
+            )
+        return loss
 
     def _switch_layout_if_due(self) -> None:
         """Change the parallel layout where the engine's schedule says so (every rank at the same step)."""
@@ -265,7 +393,8 @@ class Trainer:
             end_of_epoch = self.state.step_in_epoch >= steps_per_epoch
             last = self.state.step >= settings.total_steps
             if self.state.step % settings.log_every == 0 or self.state.step == until_step:
-                elapsed = time.perf_counter() - window_start
+                # Validation and checkpoints in this window are logged as their own events.
+                elapsed = time.perf_counter() - window_start - self._paused
                 self.last_loss = (running_loss / window_steps).item()
                 rate = window_steps * settings.global_batch / max(elapsed, 1e-9)
                 self.metrics.log(
@@ -282,8 +411,11 @@ class Trainer:
                 self.metrics.advance(self.state.step, loss=self.last_loss, rate=rate)
                 running_loss.zero_()
                 window_steps, window_wait = 0, 0.0
-                window_start = time.perf_counter()
+                window_start, self._paused = time.perf_counter(), 0.0
+                if not self.check_finite():
+                    continue  # rolled back: the loop goes on from the checkpoint's step
             if end_of_epoch:
+                self._log_data_stats()
                 self.state.epoch += 1
                 self.state.step_in_epoch = 0
                 self._batches = None
@@ -303,10 +435,19 @@ class Trainer:
         start_step = self.state.step
         run_start = time.perf_counter()
         self.run(self.settings.total_steps)
+        while not self.check_finite(at_checkpoint=True):
+            self.run(self.settings.total_steps)  # rolled back at the very end: train the rest again
         wall = time.perf_counter() - run_start
+        if self.state.step_in_epoch > 0:
+            self._log_data_stats()
         val = self._run_validation()
         self.save_checkpoint()
         steps_run = self.state.step - start_step
+        extra: dict[str, Any] = {key: self.data_totals[key] for key in sorted(self.data_totals)}
+        if self.guard is not None and self.settings.on_nonfinite == "skip":
+            extra["skipped_steps"] = self.guard.skipped
+        if self.settings.on_nonfinite == "rollback":
+            extra["rollbacks"] = self.rollbacks
         return {
             "steps": self.state.step,
             "epochs": self.state.step / self.train_sampler.steps_per_epoch,
@@ -315,19 +456,54 @@ class Trainer:
             "train_seconds": wall,
             **val,
             "peak_memory_mib": peak_memory_mib(self.device),
+            **extra,
         }
+
+    def _log_data_stats(self) -> None:
+        """The loader's counters for the epoch (skipped records, reads, bytes), summed over ranks."""
+        epoch_stats = getattr(self.train_sampler, "epoch_stats", None)
+        stats = epoch_stats() if callable(epoch_stats) else None
+        if not stats:
+            return
+        keys = sorted(stats)
+        values = env.all_reduce_sum([float(stats[key]) for key in keys], self.device)
+        summed = dict(zip(keys, values))
+        for key, value in summed.items():
+            self.data_totals[key] = self.data_totals.get(key, 0.0) + value
+        self.metrics.log({"step": self.state.step, "epoch": self.state.epoch, "event": "epoch", **summed})
 
     def _run_validation(self) -> dict[str, float]:
         start = time.perf_counter()
         val = self.validate()
+        seconds = time.perf_counter() - start
+        self._paused += seconds
         if val:
             self.last_val = val
-            self.metrics.log({"step": self.state.step, "epoch": self.state.epoch, **val})
+            self.metrics.log(
+                {
+                    "step": self.state.step,
+                    "epoch": self.state.epoch,
+                    "event": "validation",
+                    "seconds": seconds,
+                    **val,
+                }
+            )
             self.metrics.message(
                 f"step {self.state.step}: val loss {val['val_loss']:.4f}, "
                 f"accuracy {100 * val['val_accuracy']:.2f}% ({time.perf_counter() - start:.1f} s)"
             )
         return val
+
+
+def _step_of(path: Path) -> int:
+    return int(path.stem.split("-")[1])
+
+
+def _diverged(found: NonFinite) -> str:
+    if found.where == "weights":
+        return f"training diverged: the weights were non-finite at step {found.step}"
+    what = "the loss" if found.where == "loss" else f"the gradient of {found.where}"
+    return f"training diverged: {what} went non-finite at step {found.step}"
 
 
 def steps_for(epochs: float, steps_per_epoch: int, max_steps: int) -> int:

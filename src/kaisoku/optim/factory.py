@@ -97,7 +97,7 @@ def _lars(groups: list[dict[str, Any]], cfg: OptimConfig) -> Optimizer:
         momentum=cfg.momentum,
         nesterov=cfg.nesterov,
         weight_decay=cfg.weight_decay,
-        eta=cfg.eta,
+        eta=cfg.eta or _size_rule_eta(groups),
         eps=cfg.eps,
         trust_clip=cfg.trust_clip,
         # A config without the field (today's) keeps the eager update.
@@ -105,12 +105,25 @@ def _lars(groups: list[dict[str, Any]], cfg: OptimConfig) -> Optimizer:
     )
 
 
+def _size_rule_eta(groups: list[dict[str, Any]]) -> float:
+    """``optim.eta = 0``: the trust coefficient of :func:`kaisoku.optim.recipe.lars_eta` for these parameters."""
+    from kaisoku.optim.recipe import count_parameters, lars_eta
+
+    return lars_eta(count_parameters(groups))
+
+
 def _adamw(groups: list[dict[str, Any]], cfg: OptimConfig) -> Optimizer:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay)
 
 
 def _lamb(groups: list[dict[str, Any]], cfg: OptimConfig) -> Optimizer:
-    return LAMB(groups, lr=cfg.lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay)
+    return LAMB(
+        groups,
+        lr=cfg.lr,
+        betas=(cfg.momentum, 0.999),
+        weight_decay=cfg.weight_decay,
+        compile=bool(getattr(cfg, "compile", False)),
+    )
 
 
 #: Optimizer name (``optim.name``) -> builder. sgd: torch.optim.SGD; lars: :class:`~kaisoku.optim.LARS`;
@@ -127,7 +140,7 @@ def check_optim_config(cfg: OptimConfig) -> None:
         (cfg.lr > 0, f"optim.lr must be > 0 (got {cfg.lr})"),
         (0 <= cfg.momentum < 1, f"optim.momentum must be in [0, 1) (got {cfg.momentum})"),
         (cfg.weight_decay >= 0, f"optim.weight_decay must be >= 0 (got {cfg.weight_decay})"),
-        (cfg.eta > 0, f"optim.eta must be > 0 (got {cfg.eta})"),
+        (cfg.eta >= 0, f"optim.eta must be >= 0 (0: the model-size rule) (got {cfg.eta})"),
         (cfg.eps >= 0, f"optim.eps must be >= 0 (got {cfg.eps})"),
         (
             not (cfg.nesterov and cfg.momentum == 0 and cfg.name in ("sgd", "lars")),

@@ -125,6 +125,42 @@ class _LayerwiseOptimizer(Optimizer):
                 lists[slot].append(state[state_key])
         return [(tuple(adapted), tuple(excluded)) for adapted, excluded in buckets.values()]
 
+    _lr_tensors: dict[tuple[int, torch.device], Tensor]
+
+    def _lr_tensor(self, group_index: int, device: torch.device, lr: float) -> Tensor:
+        """A 0-dim device tensor holding ``lr``, reused across steps so the compiled update never recompiles."""
+        key = (group_index, device)
+        tensor = self._lr_tensors.get(key)
+        if tensor is None:
+            tensor = self._lr_tensors[key] = torch.tensor(lr, dtype=torch.float32, device=device)
+        return tensor.fill_(lr)
+
+    _compile: bool
+    _update: Callable[..., None]
+    _eager_update: Callable[..., None]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's optimizer state plus the exclusion rule and the update (copies and pickles keep them)."""
+        state = super().__getstate__()
+        state.update(_exclude=self._exclude, _eager_update=self._eager_update, _compile=self._compile)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`__getstate__`; a compiled update is compiled afresh for the copy."""
+        compiled = state.pop("_compile", False)
+        super().__setstate__(state)
+        self._lr_tensors = {}
+        self._compile = False
+        self._update = self._eager_update
+        if compiled:
+            self.compile_update()
+
+    def compile_update(self) -> None:
+        """Run the batched update through ``torch.compile`` from the next step on (that step compiles)."""
+        if not self._compile:
+            self._compile = True
+            self._update = torch.compile(self._eager_update, dynamic=False)  # type: ignore[assignment]
+
     def _init_state(self, state: dict[str, Any], param: Tensor) -> None:
         raise NotImplementedError
 
@@ -221,11 +257,11 @@ class LARS(_LayerwiseOptimizer):
             lars_exclude=None,
         )
         self._exclude = exclude
-        self._compile = compile
         self._lr_tensors: dict[tuple[int, torch.device], Tensor] = {}
-        self._update: Callable[..., None] = (
-            torch.compile(lars_update, dynamic=False) if compile else lars_update  # type: ignore[assignment]
-        )
+        self._compile = False
+        self._eager_update = self._update = lars_update
+        if compile:
+            self.compile_update()
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -236,14 +272,6 @@ class LARS(_LayerwiseOptimizer):
         if "weight_decay" in param_group:
             _check_non_negative("LARS", "weight_decay (parameter group)", param_group["weight_decay"])
         super().add_param_group(param_group)
-
-    def _lr_tensor(self, group_index: int, device: torch.device, lr: float) -> Tensor:
-        """A 0-dim device tensor holding ``lr``, reused across steps so the compiled update never recompiles."""
-        key = (group_index, device)
-        tensor = self._lr_tensors.get(key)
-        if tensor is None:
-            tensor = self._lr_tensors[key] = torch.tensor(lr, dtype=torch.float32, device=device)
-        return tensor.fill_(lr)
 
     def _init_state(self, state: dict[str, Any], param: Tensor) -> None:
         # A zero buffer makes the first step momentum * 0 + d = d, as torch.optim.SGD's clone(d).
@@ -371,6 +399,7 @@ class LAMB(_LayerwiseOptimizer):
         weight_decay: decoupled weight decay of adapted parameters (inside the trust ratio).
         max_trust: upper bound of the trust ratio; 0 leaves it unbounded.
         exclude: as for :class:`LARS`.
+        compile: run the update through ``torch.compile`` (first step compiles; worth it on GPUs).
     """
 
     def __init__(
@@ -383,6 +412,7 @@ class LAMB(_LayerwiseOptimizer):
         weight_decay: float = 0.0,
         max_trust: float = 10.0,
         exclude: ExcludeFn = exclude_ndim_le_1,
+        compile: bool = False,
     ) -> None:
         _check_positive("LAMB", "lr", lr)
         _check_non_negative("LAMB", "weight_decay", weight_decay)
@@ -394,6 +424,11 @@ class LAMB(_LayerwiseOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         defaults.update(max_trust=max_trust, lars_exclude=None)
         self._exclude = exclude
+        self._lr_tensors = {}
+        self._compile = False
+        self._eager_update = self._update = lamb_update
+        if compile:
+            self.compile_update()
         super().__init__(params, defaults)
 
     def _init_state(self, state: dict[str, Any], param: Tensor) -> None:
@@ -412,28 +447,75 @@ class LAMB(_LayerwiseOptimizer):
                 state = self.state[param]
                 state["step"] += 1
                 steps.append(state["step"])
-            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-            torch._foreach_mul_(exp_avg_sqs, beta2)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-            # u = m / bc1 / (sqrt(v) / sqrt(bc2) + eps), with per-tensor Python bias corrections.
-            denom = list(torch._foreach_sqrt(exp_avg_sqs))
-            torch._foreach_mul_(denom, [(1 - beta2**t) ** -0.5 for t in steps])
-            torch._foreach_add_(denom, group["eps"])
-            updates = list(torch._foreach_div(exp_avgs, denom))
-            torch._foreach_mul_(updates, [1 / (1 - beta1**t) for t in steps])
+            device = params[0].device
+            lr: float | Tensor = float(group["lr"])
+            if self._compile:
+                lr = self._lr_tensor(index, device, lr)
+            # Bias corrections computed on the host in double precision (no device work), then sent as one
+            # tensor: the compiled update sees new values, not new constants, so it never recompiles.
+            corrections = torch.tensor(
+                [[1 / (1 - beta1**t) for t in steps], [(1 - beta2**t) ** -0.5 for t in steps]],
+                dtype=torch.float32,
+            ).to(device, non_blocking=True)
+            self._update(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                corrections,
+                count=len(adapted[0]),
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                max_trust=group["max_trust"],
+            )
 
-            count = len(adapted[0])
-            params_a, updates_a = params[:count], updates[:count]
-            scale: Coeff = -group["lr"]
-            if count:
-                if group["weight_decay"] != 0:
-                    torch._foreach_add_(updates_a, params_a, alpha=group["weight_decay"])
-                norms = torch._foreach_norm(params_a + updates_a)
-                weight_norms, update_norms = torch.stack(norms[:count]), torch.stack(norms[count:])
-                ratio = weight_norms / update_norms
-                if group["max_trust"] > 0:
-                    ratio = ratio.clamp_(max=group["max_trust"])
-                usable = (weight_norms > 0) & (update_norms > 0)
-                scale = list(torch.where(usable, ratio, 1.0).mul_(-group["lr"]).unbind(0))
-            _axpy(params_a, updates_a, scale)
-            _axpy(params[count:], updates[count:], -group["lr"])
+
+def lamb_update(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    corrections: Tensor,
+    *,
+    count: int,
+    lr: float | Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    max_trust: float,
+) -> None:
+    """The LAMB update in place: the first ``count`` tensors adapted, the rest excluded (see :class:`LAMB`).
+
+    ``corrections`` is ``[1 / (1 - beta1^t), (1 - beta2^t)^-0.5]`` per tensor (shape ``(2, n)``, ``t`` its
+    step count). ``lr`` may be a 0-dim tensor (the compiled path passes one so that a changing learning
+    rate does not recompile).
+    """
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    # u = m / bc1 / (sqrt(v) / sqrt(bc2) + eps), bias corrections per tensor.
+    inv_bc1, inv_sqrt_bc2 = corrections.unbind(0)
+    denom = list(torch._foreach_sqrt(exp_avg_sqs))
+    torch._foreach_mul_(denom, list(inv_sqrt_bc2.unbind(0)))
+    torch._foreach_add_(denom, eps)
+    updates = list(torch._foreach_div(exp_avgs, denom))
+    torch._foreach_mul_(updates, list(inv_bc1.unbind(0)))
+
+    params_a, updates_a = params[:count], updates[:count]
+    scale: Coeff = -lr
+    if count:
+        if weight_decay != 0:
+            torch._foreach_add_(updates_a, params_a, alpha=weight_decay)
+        norms = torch._foreach_norm(params_a + updates_a)
+        weight_norms, update_norms = torch.stack(norms[:count]), torch.stack(norms[count:])
+        ratio = weight_norms / update_norms
+        if max_trust > 0:
+            ratio = ratio.clamp(max=max_trust)
+        usable = (weight_norms > 0) & (update_norms > 0)
+        scale = list(torch.where(usable, ratio, 1.0).mul(-lr).unbind(0))
+    _axpy(params_a, updates_a, scale)
+    _axpy(params[count:], updates[count:], -lr)

@@ -19,6 +19,7 @@ diagonal (``E[dgamma^2], E[dbeta^2]``) or the 2x2 block of each unit (channel).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -151,6 +152,8 @@ class KFACLayer:
         self.stat_sums: list[torch.Tensor | None] = [None] * n
         self.stat_counts: list[float] = [0.0] * n
         self.damping_floor = 0.0
+        self.stat_fraction = 1.0
+        """Share of each batch's samples (the first ones) the Kronecker factor statistics are computed on."""
         self._handles: list[RemovableHandle] = []
 
     @property
@@ -239,7 +242,7 @@ def _sum_outer(x: torch.Tensor) -> torch.Tensor:
 
 
 class KroneckerLayer(KFACLayer):
-    """A layer whose Fisher block is approximated by ``A (x) G`` (Linear, Conv2d)."""
+    """A layer whose Fisher block is approximated by ``A (x) G`` (Linear, Conv1d, Conv2d)."""
 
     factor_names = ("A", "G")
 
@@ -288,8 +291,18 @@ class KroneckerLayer(KFACLayer):
         """``sum of g g^T`` over the output-gradient rows ``g``."""
         raise NotImplementedError
 
+    def _subsample(self, x: torch.Tensor) -> torch.Tensor:
+        """The first ``ceil(stat_fraction * N)`` samples of a batched tensor (the batch is shuffled)."""
+        if self.stat_fraction >= 1.0 or x.dim() < 2 or not self._batched(x):
+            return x
+        return x[: max(1, math.ceil(self.stat_fraction * x.shape[0]))]
+
+    def _batched(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` (an input or an output gradient) has a leading batch dimension."""
+        return True
+
     def _on_forward(self, inputs: torch.Tensor) -> None:
-        stat, column, rows = self._input_sums(inputs.float())
+        stat, column, rows = self._input_sums(self._subsample(inputs).float())
         if self.has_bias:
             # The bias column of ones, appended to the product rather than to every row.
             corner = torch.tensor([[float(rows)]], dtype=stat.dtype, device=stat.device)
@@ -299,9 +312,12 @@ class KroneckerLayer(KFACLayer):
         self._accumulate(0, stat, float(rows))
 
     def _on_backward(self, grad: torch.Tensor, context: Any, scale: float) -> None:
+        # N g is one sample's gradient with N the whole batch, also when only a share of it is summed.
         batch = grad.shape[0] if grad.dim() > 1 else 1
         factor = batch / scale
-        self._accumulate(1, self._grad_sum(grad.float()) * (factor * factor), float(batch))
+        sample = self._subsample(grad)
+        used = sample.shape[0] if sample.dim() > 1 else 1
+        self._accumulate(1, self._grad_sum(sample.float()) * (factor * factor), float(used))
 
 
 class LinearLayer(KroneckerLayer):
@@ -329,6 +345,9 @@ class Conv2dLayer(KroneckerLayer):
         kh, kw = module.kernel_size
         return int(module.in_channels * kh * kw) + (1 if self.has_bias else 0)
 
+    def _batched(self, x: torch.Tensor) -> bool:
+        return x.dim() == 4
+
     def _input_sums(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         module = self.module
         if inputs.dim() == 3:
@@ -348,6 +367,38 @@ class Conv2dLayer(KroneckerLayer):
         if grad.dim() == 3:
             grad = grad.unsqueeze(0)
         return _sum_outer(grad.reshape(grad.shape[0], grad.shape[1], -1))
+
+
+class Conv1dLayer(Conv2dLayer):
+    """``nn.Conv1d`` with ``groups == 1``: the input as a height-1 image, one patch per output position."""
+
+    def in_dim(self) -> int:
+        """``in_channels * k`` (+1 with bias)."""
+        return int(self.module.in_channels * self.module.kernel_size[0]) + (1 if self.has_bias else 0)
+
+    def _batched(self, x: torch.Tensor) -> bool:
+        return x.dim() == 3
+
+    def _input_sums(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        module = self.module
+        if inputs.dim() == 2:
+            inputs = inputs.unsqueeze(0)
+        padding = module.padding
+        if isinstance(padding, str):
+            if padding == "same":
+                inputs = F.pad(inputs, module._reversed_padding_repeated_twice)
+            padding = (0,)
+        patches = F.unfold(
+            inputs.unsqueeze(2),
+            (1, module.kernel_size[0]),
+            dilation=(1, module.dilation[0]),
+            padding=(0, padding[0]),
+            stride=(1, module.stride[0]),
+        )
+        return _sum_outer(patches), patches.sum(dim=(0, 2)), patches.shape[0] * patches.shape[2]
+
+    def _grad_sum(self, grad: torch.Tensor) -> torch.Tensor:
+        return _sum_outer(grad if grad.dim() == 3 else grad.unsqueeze(0))
 
 
 class BatchNormLayer(KFACLayer):
@@ -428,12 +479,13 @@ def classify(module: nn.Module, bn_mode: str) -> tuple[type[KFACLayer] | None, s
         return None, None
     if isinstance(module, nn.Linear):
         return LinearLayer, None
-    if isinstance(module, nn.Conv2d):
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
+        kind = "Conv1d" if isinstance(module, nn.Conv1d) else "Conv2d"
         if module.groups != 1:
-            return None, f"Conv2d with groups={module.groups}"
+            return None, f"{kind} with groups={module.groups}"
         if module.padding_mode != "zeros":
-            return None, f"Conv2d with padding_mode='{module.padding_mode}'"
-        return Conv2dLayer, None
+            return None, f"{kind} with padding_mode='{module.padding_mode}'"
+        return (Conv1dLayer if isinstance(module, nn.Conv1d) else Conv2dLayer), None
     if isinstance(module, _BatchNorm):
         if bn_mode == "skip":
             return None, None

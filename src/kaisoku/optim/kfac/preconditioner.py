@@ -62,7 +62,7 @@ def _at(schedule: IntSchedule | FloatSchedule, step: int) -> Any:
 
 
 class KFAC:
-    """Kronecker-factored approximate curvature preconditioner for Linear, Conv2d and BatchNorm layers.
+    """Kronecker-factored approximate curvature preconditioner for Linear, Conv1d, Conv2d and BatchNorm layers.
 
     Use it with any base optimizer::
 
@@ -112,6 +112,9 @@ class KFAC:
         grad_accum: micro-batches per step when each micro-batch's loss is divided by this number
             (gradient accumulation); G is built from per-sample gradients of the undivided loss.
         bucket_cap_mb: size of the flat buffers the factor statistics are all-reduced in.
+        stat_fraction: share of each batch (its first ``ceil(fraction * N)`` samples, in (0, 1]) the
+            Linear and convolution factor statistics are computed on; 1 uses the whole batch. The
+            sub-sample's factors estimate the whole batch's at a fraction of the cost.
     """
 
     def __init__(
@@ -132,6 +135,7 @@ class KFAC:
         grad_scaler: Any = None,
         grad_accum: int = 1,
         bucket_cap_mb: float = 25.0,
+        stat_fraction: float = 1.0,
     ) -> None:
         if method not in METHODS:
             raise ConfigError(f"K-FAC method must be one of {', '.join(METHODS)}, got '{method}'")
@@ -152,6 +156,8 @@ class KFAC:
             raise ConfigError(f"K-FAC grad_accum must be at least 1, got {grad_accum}")
         if bucket_cap_mb <= 0:
             raise ConfigError(f"K-FAC bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        if not 0 < stat_fraction <= 1:
+            raise ConfigError(f"K-FAC stat_fraction must be in (0, 1], got {stat_fraction}")
         self.factor_update_steps = factor_update_steps
         self.inv_update_steps = inv_update_steps
         self.damping = damping
@@ -185,6 +191,7 @@ class KFAC:
                 layer: KFACLayer = BatchNormLayer(name, module, unit_wise=bn == "unit")
             else:
                 layer = layer_class(name, module)
+                layer.stat_fraction = stat_fraction
             layer.register(self._collecting, self._grad_scale, self.clock)
             self.layers[name] = layer
         if skipped:

@@ -1,0 +1,123 @@
+"""``kaisoku bench compile``: training-step time with ``train.compile`` against eager, and compile time.
+
+Each case builds its model and optimizer with the builders ``kaisoku train`` uses (``build_model``,
+``build_optimizer``; SGD momentum 0.9 as in the default config) and a fixed synthetic batch of the case's
+shape. For every way (off, model, optimizer, all) :func:`kaisoku.engine.compile.prepare_way` compiles
+copies and warms them up (3 steps); the rows then run one training step each (forward, backward,
+optimizer step), interleaved round by round, and report the median. Compile time is the warm-up of a
+way minus the eager warm-up.
+
+``auto`` is judged as a user meets it: :func:`~kaisoku.engine.compile.compile_for_training` makes its
+choice from its own 20-step trial, then the chosen way's step time (from the interleaved rows, measured
+independently of the trial) is compared with eager's. Goal: auto is never more than 3% slower than eager
+in any case. CPU figures: 1 torch thread, as in a shared machine's share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kaisoku.bench.common import goal, interleaved, median_iqr, print_table, write_result
+from kaisoku.config import OptimConfig
+from kaisoku.engine.compile import Trial, compile_for_training, prepare_way, synthetic_batch
+from kaisoku.models.zoo import build_model
+from kaisoku.optim.factory import build_optimizer
+
+#: Case name -> (model, stem, input shape of one batch, classes).
+CASES: dict[str, tuple[str, str, tuple[int, int, int, int], int]] = {
+    "small-cnn": ("small-cnn", "small", (128, 1, 28, 28), 10),
+    "resnet10": ("resnet10", "small", (64, 3, 24, 24), 10),
+}
+WAYS = ("off", "model", "optimizer", "all")
+
+
+def measure_case(
+    case: str, *, ways: tuple[str, ...], repeats: int
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rows (one per way) and the auto verdict of ``case``."""
+    name, stem, shape, classes = CASES[case]
+    torch.manual_seed(0)
+    model = build_model(name, num_classes=classes, stem=stem, in_channels=shape[1])
+    optimizer = build_optimizer(model, OptimConfig(name="sgd", lr=0.05))
+    loss_fn = torch.nn.CrossEntropyLoss()
+    batch = synthetic_batch(shape, classes, torch.device("cpu"), seed=0)
+    trial = Trial(loss_fn, batch, contextlib.nullcontext)
+    warmups: dict[str, float] = {}
+    steps = {}
+    for way in ways:
+        warmups[way], steps[way] = prepare_way(way, model, optimizer, trial)
+    times = interleaved(steps, repeats)
+    eager_ms = median_iqr(times["off"])[0] * 1e3
+    rows = []
+    for way in ways:
+        median, iqr = median_iqr(times[way])
+        rows.append(
+            {
+                "case": case,
+                "way": way,
+                "step_ms": round(median * 1e3, 2),
+                "iqr_ms": round(iqr * 1e3, 2),
+                "vs_eager": round(median * 1e3 / eager_ms, 3),
+                "compile_s": round(max(0.0, warmups[way] - warmups["off"]), 1),
+            }
+        )
+    started = time.perf_counter()
+    report = compile_for_training(
+        "auto", model, optimizer, loss_fn=loss_fn, batch=batch, autocast=contextlib.nullcontext
+    )
+    auto = {
+        "case": case,
+        "auto_kept": report.mode,
+        "auto_trial_s": round(time.perf_counter() - started, 1),
+        "auto_vs_eager": next((row["vs_eager"] for row in rows if row["way"] == report.mode), None),
+    }
+    return rows, auto
+
+
+def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+    """Every case and way, the auto verdicts, the table and ``compile.json``."""
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cases = ("small-cnn",) if quick else tuple(CASES)
+        ways = ("off", "all") if quick else WAYS
+        repeats = 5 if quick else 21
+        rows: list[dict[str, Any]] = []
+        autos: list[dict[str, Any]] = []
+        for case in cases:
+            case_rows, auto = measure_case(case, ways=ways, repeats=repeats)
+            rows += case_rows
+            autos.append(auto)
+    finally:
+        torch.set_num_threads(previous_threads)
+    ratios = [auto["auto_vs_eager"] for auto in autos]
+    worst = max(ratios) if ratios and all(r is not None for r in ratios) else None
+    missing = [case for case in CASES if case not in {auto["case"] for auto in autos}]
+    summary = {
+        "auto_vs_eager_worst": goal(
+            worst,
+            "<= 1.03",
+            reason=f"cases not measured in --quick: {', '.join(missing)}" if missing else "",
+            per_case={auto["case"]: auto["auto_vs_eager"] for auto in autos},
+        ),
+    }
+    print_table("compile: step time by way", rows + autos, summary)
+    return write_result(
+        "compile",
+        out_dir,
+        summary,
+        rows + autos,
+        quick=quick,
+        notes=(
+            "CPU, 1 torch thread, SGD momentum 0.9, fixed synthetic batch; one training step per row "
+            "(forward, backward, optimizer step), rows interleaved, median. compile_s: warm-up (3 steps) "
+            "minus the eager warm-up. auto: the way compile_for_training('auto') kept from its own 20-step "
+            "trial, judged by the interleaved rows. No small ViT exists in the model zoo yet."
+        ),
+        extra={"torch_threads": 1, "repeats": repeats},
+    )

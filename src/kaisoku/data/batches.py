@@ -1,0 +1,142 @@
+"""Batches made by threads: samples decoded without the GIL straight into reused batch buffers.
+
+JPEG decoding (libjpeg-turbo through simplejpeg), resampling (Pillow) and the flip-and-transpose copy
+all release the GIL, so a few threads in the training process decode in parallel, and each writes its
+samples into a preallocated uint8 NCHW batch: no worker processes to start each epoch, no batch pickled
+or passed through shared memory, no fresh batch tensor per step. Buffers come from a ring and are reused
+``ring`` batches later, so a batch stays valid while the trainer holds it (it holds at most a step's
+micro-batches); with ``pin_memory`` (CUDA) the ring is pinned once.
+
+The samples are the ones the dataset's transform gives (keyed by (seed, epoch, index)), whichever thread
+decodes them: a batch is bit-identical to the one the DataLoader path collates.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from kaisoku.errors import KaisokuError
+
+Key = tuple[int, int]
+_SKIPPED = np.iinfo(np.int64).min  # the label slot of a sample skipped as damaged
+
+
+class FillableDataset(Protocol):
+    """A dataset that writes sample ``(epoch, index)`` into a given CHW uint8 array and returns its label."""
+
+    def read_into(self, key: Key, out: np.ndarray) -> int | None:
+        """Write the sample into ``out``; its label, or None when it was skipped as damaged."""
+        ...
+
+    def __getitem__(self, key: Key) -> Any:
+        """The sample as ``(CHW uint8 array, label)``, or None when skipped."""
+        ...
+
+
+class ThreadedBatches:
+    """Iterate ``(images, labels)`` batches for ``batches`` of keys, decoded by ``threads`` threads.
+
+    ``prefetch`` batches are decoded ahead of the one being consumed. ``ring`` buffers (at least
+    ``prefetch + 2``) are reused in turn; the caller must be done with a batch ``ring - prefetch - 1``
+    batches later. A batch with samples skipped as damaged is returned compacted (smaller).
+    """
+
+    def __init__(
+        self,
+        dataset: FillableDataset,
+        batches: Iterable[Sequence[Key]],
+        *,
+        threads: int,
+        prefetch: int = 2,
+        ring: int = 4,
+        pin_memory: bool = False,
+    ) -> None:
+        self.dataset = dataset
+        self.batches = iter(batches)
+        self.threads = max(1, int(threads))
+        self.prefetch = max(1, int(prefetch))
+        self.ring = max(int(ring), self.prefetch + 2)
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self._buffers: list[tuple[torch.Tensor, np.ndarray]] = []
+        self._shape: tuple[int, ...] | None = None
+        self._slot = 0
+
+    def _allocate(self, batch: int, shape: tuple[int, ...]) -> None:
+        self._buffers = []
+        for _ in range(self.ring):
+            images = torch.empty((batch, *shape), dtype=torch.uint8, pin_memory=self.pin_memory)
+            self._buffers.append((images, np.empty(batch, dtype=np.int64)))
+
+    def _first_samples(self, keys: Sequence[Key]) -> dict[int, tuple[np.ndarray, int] | None]:
+        """Samples read the ordinary way up to the first one not skipped: its shape sizes the buffers."""
+        first: dict[int, tuple[np.ndarray, int] | None] = {}
+        for j, key in enumerate(keys):
+            first[j] = self.dataset[key]
+            if first[j] is not None:
+                return first
+        raise KaisokuError(
+            f"cannot make a batch of {len(keys)} samples: none left after skipping damaged records"
+        )
+
+    def _fill(
+        self, images: np.ndarray, labels: np.ndarray, keys: Sequence[Key], part: int, done: int
+    ) -> None:
+        for j in range(part, len(keys), self.threads):
+            if j >= done:  # the first ``done`` samples were read while sizing the buffers
+                label = self.dataset.read_into(keys[j], images[j])
+                labels[j] = _SKIPPED if label is None else label
+
+    def _submit(self, pool: ThreadPoolExecutor, keys: Sequence[Key]) -> tuple[Any, ...]:
+        first: dict[int, tuple[np.ndarray, int] | None] = {}
+        if self._shape is None:
+            first = self._first_samples(keys)
+            self._shape = next(tuple(np.asarray(s[0]).shape) for s in first.values() if s is not None)
+        if not self._buffers or self._buffers[0][0].shape[0] < len(keys):
+            self._allocate(len(keys), self._shape)
+        images, labels = self._buffers[self._slot]
+        self._slot = (self._slot + 1) % self.ring
+        view = images.numpy()[: len(keys)]
+        for j, sample in first.items():
+            labels[j] = _SKIPPED if sample is None else sample[1]
+            if sample is not None:
+                view[j] = sample[0]
+        futures = [
+            pool.submit(self._fill, view, labels, keys, part, len(first)) for part in range(self.threads)
+        ]
+        return images[: len(keys)], labels[: len(keys)], futures
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        pending: deque[tuple[Any, ...]] = deque()
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="kaisoku-decode") as pool:
+            try:
+                for keys in self.batches:
+                    pending.append(self._submit(pool, list(keys)))
+                    if len(pending) > self.prefetch:
+                        yield self._finish(pending.popleft())
+                while pending:
+                    yield self._finish(pending.popleft())
+            finally:
+                for _, _, futures in pending:
+                    for future in futures:
+                        future.cancel()
+
+    @staticmethod
+    def _finish(entry: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        images, labels, futures = entry
+        for future in futures:
+            Future.result(future)  # re-raises a decoding error with its own message
+        kept = labels != _SKIPPED
+        if not kept.all():
+            if not kept.any():
+                raise KaisokuError(
+                    f"cannot make a batch of {len(labels)} samples: none left after skipping damaged records"
+                )
+            index = torch.from_numpy(np.flatnonzero(kept))
+            return images.index_select(0, index), torch.from_numpy(labels[kept].copy())
+        return images, torch.from_numpy(labels)

@@ -1,0 +1,78 @@
+"""engine/failures.py: the class, cause and hint of each failure, and which rank's failure decides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kaisoku.data.records import CorruptRecordError
+from kaisoku.engine.divergence import NonFiniteError
+from kaisoku.engine.failures import Failure, classify, decide, print_failure
+
+
+class _Damaged(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        raise CorruptRecordError(
+            "/d/shard-00003.kshard record 9 (sample 66) fails its checksum; re-pack or use skip_corrupt",
+            file="/d/shard-00003.kshard",
+            record=9,
+        )
+
+
+def test_a_damaged_record_raised_in_a_loader_worker_is_a_data_error_naming_file_and_record() -> None:
+    loader = torch.utils.data.DataLoader(_Damaged(), num_workers=1)
+    with pytest.raises(Exception) as caught:  # torch re-raises the worker's error, wrapped
+        next(iter(loader))
+    failure = classify(caught.value, data="/d")
+    assert failure.kind == "data" and failure.exit_code == 3 and not failure.resumable
+    assert failure.cause == "/d/shard-00003.kshard record 9 (sample 66) fails its checksum"
+    assert "kaisoku inspect /d --verify" in failure.hint and "--data.skip-corrupt true" in failure.hint
+    assert "skip-corrupt" not in classify(caught.value, skip_corrupt=True).hint
+
+
+def test_each_known_class_and_an_unknown_error() -> None:
+    assert classify(KeyboardInterrupt()).exit_code == 130
+    assert classify(NonFiniteError("training diverged: x")).kind == "nonfinite"
+    oom = classify(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"), device="cuda:0")
+    assert (oom.kind, oom.cause) == ("oom", "out of memory on cuda:0") and "--data.global-batch" in oom.hint
+    peer = classify(RuntimeError("[pair.cc:561] Connection closed by peer [127.0.0.1]:1234"))
+    assert peer.kind == "peer" and peer.exit_code == 6
+    bug = classify(ZeroDivisionError("division by zero"))
+    assert (bug.kind, bug.cause, bug.exit_code) == ("unknown", "ZeroDivisionError: division by zero", 1)
+
+
+def test_a_rank_s_own_reason_beats_a_lost_peer_and_a_killed_rank_beats_those_that_lost_it() -> None:
+    lost = Failure("peer", "lost contact", rank=0, step=7, time=1.0)
+    data = Failure("data", "shard record 9", rank=1, step=7, time=2.0)
+    assert decide([lost, data], [], interrupted=False) is data
+    killed = decide([lost], [(1, "signal SIGKILL")], interrupted=False)
+    assert (
+        killed.kind == "peer"
+        and killed.cause.startswith("rank 1 on ")
+        and killed.cause.endswith("(signal SIGKILL)")
+    )
+    assert decide([lost], [], interrupted=True).kind == "interrupt"
+
+
+def test_resume_is_suggested_only_when_a_checkpoint_can_help(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    peer = Failure("peer", "rank 1 on h died (signal SIGKILL)", resumable=True, step=5)
+    print_failure(peer, tmp_path)
+    first = capsys.readouterr().err.splitlines()
+    assert first[0] == "kaisoku: error: rank 1 on h died (signal SIGKILL) (at step 5)"
+    assert (
+        first[1]
+        == f"kaisoku: rerun (there is no checkpoint to resume from yet); full logs in {tmp_path / 'logs'}"
+    )
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "step-00000004.pt").write_bytes(b"")
+    print_failure(peer, tmp_path)
+    assert "rerun with --resume auto to continue from checkpoint step 4" in capsys.readouterr().err
+    print_failure(Failure("data", "bad record", "re-pack it", step=5), tmp_path)
+    assert "--resume" not in capsys.readouterr().err

@@ -1,0 +1,78 @@
+"""memory.* from config: validation refuses what update-in-backward excludes; kaisoku train's engine uses it."""
+
+from __future__ import annotations
+
+import pytest
+
+from kaisoku.config import Config, validate
+from kaisoku.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        (lambda c: setattr(c.train, "grad_accum", 2), "train.grad_accum > 1"),
+        (lambda c: setattr(c.optim.kfac, "enabled", True), "optim.kfac"),
+        (lambda c: setattr(c.parallel, "pp", 2), "hybrid parallelism"),
+        (lambda c: setattr(c.train, "precision", "fp16"), "train.precision fp16"),
+        (lambda c: setattr(c.train, "on_nonfinite", "skip"), "train.on_nonfinite skip"),
+        (lambda c: setattr(c.optim, "name", "adamw"), "optim.name adamw"),
+    ],
+)
+def test_update_in_backward_refuses_exclusions(override, needle: str) -> None:
+    cfg = Config()
+    cfg.memory.update_in_backward = True
+    validate(cfg)  # the defaults are fine
+    override(cfg)
+    with pytest.raises(ConfigError, match="memory.update_in_backward cannot be combined with") as info:
+        validate(cfg)
+    assert needle in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_recompute_refused_under_pipeline() -> None:
+    cfg = Config()
+    cfg.memory.recompute = "blocks"
+    cfg.parallel.pp = 2
+    with pytest.raises(ConfigError, match="memory.recompute is for data parallelism"):
+        validate(cfg)
+
+
+def _trained(data, run_dir, **memory: object):
+    from kaisoku.config import apply_override
+    from kaisoku.distributed.env import World
+    from kaisoku.engine.build import build_trainer
+
+    cfg = Config(run_dir=str(run_dir))
+    cfg.data.path = str(data)
+    cfg.data.image_size = 16
+    cfg.data.global_batch = 8
+    cfg.data.workers = 0
+    cfg.model.name = "resnet10"
+    cfg.model.stem = "small"
+    cfg.optim.name = "lars"
+    cfg.train.max_steps = 3
+    cfg.train.epochs = 1
+    cfg.metrics.progress = False
+    for key, value in memory.items():
+        apply_override(cfg, f"memory.{key}", value)
+    validate(cfg, world_size=1)
+    trainer = build_trainer(cfg, World())
+    summary = trainer.fit()
+    trainer.metrics.close()
+    return trainer.engine.model.state_dict(), summary
+
+
+@pytest.mark.timeout(300)
+def test_train_with_memory_settings_matches_plain(tmp_path) -> None:
+    """The objects ``kaisoku train`` builds: recompute + update-in-backward give the plain run's weights."""
+    import torch
+
+    from kaisoku.data.datagen import generate
+
+    data = generate(tmp_path / "shapes", count=64, size=16, val_count=16, workers=1)
+    plain, _ = _trained(data, tmp_path / "plain")
+    memory, _ = _trained(data, tmp_path / "mem", recompute="selective", update_in_backward=True)
+    assert plain.keys() == memory.keys()
+    for key in plain:
+        assert torch.equal(plain[key], memory[key]), key

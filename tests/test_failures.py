@@ -1,0 +1,176 @@
+"""End to end: what a user sees when a run fails (one cause line, one hint line, logs, exit codes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kaisoku.data.datagen import generate
+from kaisoku.data.writer import pack
+from tests.train_harness import metric_lines, rank_pid, train_args, train_env, wait_for
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("data")
+    images = generate(root / "shapes", count=160, size=20, val_count=20, workers=1)
+    pack(images, root / "packed", shard_bytes=20 * 1024, codec="raw", workers=1)
+    return root / "packed"
+
+
+@pytest.fixture(scope="module")
+def damaged(packed: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A copy of the packed set with 64 bytes flipped in the middle of one training shard."""
+    root = tmp_path_factory.mktemp("damaged") / "packed"
+    shutil.copytree(packed, root)
+    shard = sorted((root / "train").glob("*.kshard"))[3]
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
+    shard.write_bytes(bytes(data))
+    return root, shard.name
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=240, env=train_env())
+
+
+def _two_lines(stderr: str) -> list[str]:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 2 and "Traceback" not in stderr, stderr
+    assert lines[0].startswith("kaisoku: error: ") and lines[1].startswith("kaisoku: "), lines
+    return lines
+
+
+@pytest.mark.timeout(300)
+def test_damaged_record_read_by_a_loader_worker_gives_one_cause_and_no_resume_hint(
+    tmp_path: Path, damaged: tuple[Path, str]
+) -> None:
+    data, shard = damaged
+    run_dir = tmp_path / "run"
+    result = _run(train_args(data, run_dir, "--model.name", "small-cnn", "--data.workers", "1"))
+    assert result.returncode == 3, result.stderr[-3000:]
+    cause, hint = _two_lines(result.stderr)
+    assert shard in cause and "record" in cause and "checksum" in cause
+    assert "kaisoku inspect" in hint and "--data.skip-corrupt true" in hint
+    assert "--resume" not in hint and str(run_dir / "logs") in hint
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("rank-*.log"))
+    assert "Traceback" in logs and "CorruptRecordError" in logs
+    status = json.loads((run_dir / "run.json").read_text())
+    assert status["status"] == "failed" and status["failure"] == "data"
+
+
+@pytest.mark.timeout(300)
+def test_skipped_damaged_records_are_counted_per_epoch_in_the_summary_and_the_last_line(
+    tmp_path: Path, damaged: tuple[Path, str]
+) -> None:
+    data, _ = damaged
+    run_dir = tmp_path / "run"
+    args = ["--model.name", "small-cnn", "--data.skip-corrupt", "true", "--train.epochs", "1"]
+    result = _run(train_args(data, run_dir, *args))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    epochs = [r for r in metric_lines(run_dir) if r.get("event") == "epoch"]
+    assert [r["skipped_records"] for r in epochs] == [1.0]
+    assert "skipped_records" in result.stdout  # the summary table
+    last = result.stdout.strip().splitlines()[-1]
+    assert "; 1 record skipped;" in last, last
+
+
+@pytest.mark.timeout(300)
+def test_divergence_stops_naming_the_step_and_layer_and_writes_no_bad_checkpoint(
+    tmp_path: Path, packed: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    args = ["--model.name", "small-cnn", "--optim.lr", "1e6", "--checkpoint.every-steps", "2"]
+    result = _run(train_args(packed, run_dir, *args))
+    assert result.returncode == 4, result.stderr[-3000:]
+    cause, hint = _two_lines(result.stderr)
+    assert "training diverged:" in cause and "went non-finite at step" in cause
+    assert "features.0.0.weight" in cause or "weights" in cause
+    assert "--optim.lr" in hint
+    lines = metric_lines(run_dir)  # strict JSON on every line
+    assert all("time" in r and "elapsed_s" in r for r in lines)
+    for path in (run_dir / "checkpoints").glob("step-*.pt"):
+        state = torch.load(path, weights_only=True)
+        assert all(t.isfinite().all() for t in state["model"].values() if t.is_floating_point()), path
+
+
+@pytest.mark.timeout(300)
+def test_rollback_reloads_a_finite_checkpoint_with_a_lower_learning_rate(
+    tmp_path: Path, packed: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    args = [
+        "--model.name", "small-cnn", "--optim.lr", "20", "--checkpoint.every-steps", "2",
+        "--train.log-every", "2", "--train.on-nonfinite", "rollback", "--train.max-rollbacks", "2",
+    ]  # fmt: skip
+    result = _run(train_args(packed, run_dir, *args))
+    rollbacks = [r for r in metric_lines(run_dir) if r.get("event") == "rollback"]
+    assert rollbacks, result.stdout[-2000:]
+    assert [r["lr_scale"] for r in rollbacks] == [0.5, 0.25][: len(rollbacks)]
+    assert all(r["step"] < r["from_step"] for r in rollbacks)
+    assert "rolled back to step" in result.stdout
+    if result.returncode != 0:  # still diverging after 2 rollbacks: said so, exit 4
+        assert result.returncode == 4
+        assert "still diverging after 2 rollbacks" in _two_lines(result.stderr)[0]
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_exits_130_naming_the_step_and_the_newest_checkpoint(tmp_path: Path, packed: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = train_args(packed, run_dir, "--model.name", "small-cnn", "--train.epochs", "200")
+    proc = subprocess.Popen(
+        [*args, "--checkpoint.every-steps", "3"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=train_env(), start_new_session=True,
+    )  # fmt: skip
+    assert wait_for(lambda: len(list((run_dir / "checkpoints").glob("step-*.pt"))) >= 1, 180)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
+    _, stderr = proc.communicate(timeout=90)
+    assert proc.returncode == 130, stderr
+    cause, hint = _two_lines(stderr)
+    newest = max(int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*.pt"))
+    assert cause.startswith("kaisoku: error: interrupted at step ")
+    assert cause.endswith(f"; checkpoint step {newest} is the newest"), cause
+    assert "--resume auto" in hint
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(packed: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    result = _run(train_args(packed, run_dir, *_RESTART_ARGS))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(run_dir / "checkpoints" / "step-00000030.pt", weights_only=True)["model"]
+
+
+_RESTART_ARGS = ("--model.name", "small-cnn", "--train.epochs", "3", "--checkpoint.every-steps", "2")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("rank", "after_lines"), [(0, 7), (1, 4)])
+def test_a_killed_rank_restarts_once_and_finishes_bit_identical(
+    tmp_path: Path, packed: Path, uninterrupted: dict[str, torch.Tensor], rank: int, after_lines: int
+) -> None:
+    run_dir = tmp_path / "run"
+    args = train_args(packed, run_dir, *_RESTART_ARGS, "--max-restarts", "1")
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=train_env())
+    metrics = run_dir / "metrics.jsonl"
+    assert wait_for(lambda: metrics.exists() and metrics.read_text().count('"loss"') >= after_lines, 180)
+    pid = rank_pid(proc.pid, rank)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert "restart 1" in (run_dir / "logs" / f"rank-{rank}.log").read_text()  # it did restart
+    final = torch.load(run_dir / "checkpoints" / "step-00000030.pt", weights_only=True)["model"]
+    assert final.keys() == uninterrupted.keys()
+    assert all(torch.equal(final[key], uninterrupted[key]) for key in final)

@@ -1,0 +1,98 @@
+"""Helpers for end-to-end `kaisoku train` tests: arguments of a tiny 2-rank run, finding and killing ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def train_args(data: Path, run_dir: Path, *extra: str) -> list[str]:
+    """``kaisoku train`` on 2 ranks, 16 px images, batch 16, no workers, no progress bar."""
+    return [
+        sys.executable, "-m", "kaisoku", "train",
+        "--nproc", "2",
+        "--run-dir", str(run_dir),
+        "--data.path", str(data),
+        "--data.image-size", "16",
+        "--data.global-batch", "16",
+        "--data.workers", "0",
+        "--model.stem", "imagenet",
+        "--train.epochs", "2",
+        "--train.log-every", "1",
+        "--metrics.progress", "false",
+        *extra,
+    ]  # fmt: skip
+
+
+def train_env(**extra: str) -> dict[str, str]:
+    """The environment of a test run: one thread per rank."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant process of ``pid``."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            out.append(child)
+            out.extend(descendants(child))
+    return out
+
+
+def rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of rank ``rank`` under ``launcher``, once it runs."""
+    for pid in descendants(launcher):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"LOCAL_RANK=" + str(rank).encode() in environ:
+            return pid
+    return None
+
+
+def wait_for(condition: Callable[[], bool], timeout: float) -> bool:
+    """Poll ``condition`` every 0.2 s until it holds or ``timeout`` seconds pass."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def kill_and_collect(proc: subprocess.Popen[str], rank: int) -> tuple[float, str]:
+    """SIGKILL rank ``rank`` of the run ``proc``; (seconds until the launcher exited, its stderr)."""
+    pid = None
+
+    def found() -> bool:
+        nonlocal pid
+        pid = rank_pid(proc.pid, rank)
+        return pid is not None
+
+    assert wait_for(found, 60), "rank process not found"
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    _, stderr = proc.communicate(timeout=90)
+    return time.monotonic() - killed_at, stderr
+
+
+def metric_lines(run_dir: Path) -> list[dict]:
+    """metrics.jsonl parsed strictly (a bare NaN or Infinity token fails)."""
+    import json
+
+    def reject(token: str) -> None:
+        raise ValueError(f"non-JSON token {token}")
+
+    text = (run_dir / "metrics.jsonl").read_text()
+    return [json.loads(line, parse_constant=reject) for line in text.splitlines()]
