@@ -63,9 +63,7 @@ def _train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-dir", help="run folder (run_dir)")
     parser.add_argument("--resume", help='"auto" or a checkpoint file (checkpoint.resume)')
     parser.add_argument("--max-restarts", help="torchrun restarts after a failure (dist.max_restarts)")
-    parser.add_argument(
-        "--compile", help="torch.compile: off, model, optimizer, all or auto (train.compile)"
-    )
+    parser.add_argument("--compile", help="torch.compile: off, model, optimizer, all or auto (train.compile)")
     group = parser.add_argument_group("config fields (--section.field VALUE)")
     for key, tp, default, doc in iter_fields():
         if key in _SHORTCUTS.values() and "." not in key:

@@ -119,6 +119,16 @@ def test_tree_state_sees_tracked_changes_only(repo: Path) -> None:
     assert tree_state(repo).diff_sha256 != dirty.diff_sha256
 
 
+def test_a_recorded_result_does_not_make_the_next_recording_dirty(repo: Path) -> None:
+    (repo / RESULTS / "engine.json").write_text('{"summary": {}}\n')  # the previous benchmark's output
+    assert not tree_state(repo).dirty
+    (repo / "code.py").write_text("x = 2\n")
+    state = tree_state(repo)
+    assert state.dirty
+    (repo / RESULTS / "engine.json").write_text('{"summary": {"other": 1}}\n')
+    assert tree_state(repo).diff_sha256 == state.diff_sha256  # the hash covers code, not outputs
+
+
 def test_full_run_refuses_to_record_from_a_dirty_tree(repo: Path) -> None:
     results = repo / RESULTS
     assert resolve_out("", quick=False, allow_dirty=False, repo=repo, name="engine") == results

@@ -49,6 +49,15 @@ GOALS: dict[str, set[str]] = {
         "kfac_step_time_vs_sgd",
     },
     "compile": {"auto_vs_eager_worst"},
+    "memory": {
+        "recompute_and_in_backward_exact",
+        "largest_batch_ratio_resnet18",
+        "planner_peak_within_budget",
+        "planner_60pct_slowdown",
+        "planner_40pct_slowdown",
+        "compression_val_accuracy_gap_points",
+        "offload_rows",
+    },
 }
 
 

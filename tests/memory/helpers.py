@@ -22,9 +22,12 @@ def small_resnet() -> nn.Module:
 def small_vit() -> nn.Module:
     """A two-layer VisionTransformer on 16 px images, seeded."""
     torch.manual_seed(0)
-    return VisionTransformer(
+    model = VisionTransformer(
         image_size=16, patch_size=4, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=5
     )
+    # torchvision zeroes the head: no gradient would reach the body.
+    nn.init.normal_(model.heads.head.weight, std=0.02)
+    return model
 
 
 def batches(steps: int, size: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -7,10 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from kaisoku.memory.in_backward import install_update_hooks, update_after_allreduce_hook
+from kaisoku.memory.in_backward import attach_update_in_backward, install_update_hooks
 from tests.dist_harness import run_ranks
 from tests.memory.helpers import assert_same_state, batches, optimizer_for, small_resnet, train
 
@@ -42,7 +41,7 @@ def _ddp_body(rank: int, world_size: int, tmp: Path, name: str, in_backward: boo
     ddp = DistributedDataParallel(model, bucket_cap_mb=1, gradient_as_bucket_view=True)
     opt = optimizer_for(model, name)
     if in_backward:
-        ddp.register_comm_hook(None, update_after_allreduce_hook(opt, default_hooks.allreduce_hook))
+        attach_update_in_backward(ddp, opt)  # the update chained onto each bucket's all-reduce
     data = batches(3 * world_size)[rank::world_size]  # each rank its own share
     train(ddp, data, opt, step=not in_backward)
     dist.barrier()

@@ -34,7 +34,7 @@ def test_recompute_refused_under_pipeline() -> None:
     cfg = Config()
     cfg.memory.recompute = "blocks"
     cfg.parallel.pp = 2
-    with pytest.raises(ConfigError, match="memory.recompute is for data parallelism"):
+    with pytest.raises(ConfigError, match="memory.recompute and memory.compress are for data parallelism"):
         validate(cfg)
 
 
@@ -76,3 +76,16 @@ def test_train_with_memory_settings_matches_plain(tmp_path) -> None:
     assert plain.keys() == memory.keys()
     for key in plain:
         assert torch.equal(plain[key], memory[key]), key
+    # bf16 saved activations: not exact, close after 3 steps.
+    compressed, _ = _trained(data, tmp_path / "bf16", compress="bf16")
+    diffs = [float((plain[k].float() - compressed[k].float()).abs().max()) for k in plain]
+    assert 0 < max(diffs) < 1e-2
+
+
+def test_block_list_checked_before_training() -> None:
+    cfg = Config()
+    cfg.model.name = "resnet18"
+    cfg.memory.recompute = "blocks"
+    cfg.memory.blocks = "1-40"
+    with pytest.raises(ConfigError, match=r"memory.blocks: '1-40' is outside the model's blocks 0-9"):
+        validate(cfg)

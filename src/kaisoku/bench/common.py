@@ -107,14 +107,19 @@ def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
 def tree_state(repo: Path) -> TreeState:
     """``repo``'s HEAD commit, and for a tree whose tracked files changed the sha256 of ``git diff HEAD``.
 
-    Outside a git checkout the commit is ``"unknown"`` and the tree counts as clean.
+    Recorded results (``benchmarks/results``) are outputs, not measured code: benchmarks recorded one
+    after another do not make the tree dirty for the next. Outside a git checkout the commit is
+    ``"unknown"`` and the tree counts as clean.
     """
+    outputs = ":(exclude)benchmarks/results"
     try:
         commit = _git(repo, "rev-parse", "HEAD").stdout.decode().strip()
-        status = _git(repo, "status", "--porcelain", "--untracked-files=no").stdout.strip()
+        status = _git(
+            repo, "status", "--porcelain", "--untracked-files=no", "--", ".", outputs
+        ).stdout.strip()
         if not status:
             return TreeState(commit=commit, dirty=False)
-        diff = _git(repo, "diff", "HEAD", "--binary").stdout
+        diff = _git(repo, "diff", "HEAD", "--binary", "--", ".", outputs).stdout
         return TreeState(commit=commit, dirty=True, diff_sha256=hashlib.sha256(diff).hexdigest())
     except (OSError, subprocess.SubprocessError):
         return TreeState(commit="unknown", dirty=False)

@@ -463,14 +463,7 @@ class SlowMount:
         if os.path.ismount(self.mount):
             if _run(["fusermount3", "-u", str(self.mount)], check=False).returncode != 0:
                 _run(["umount", "-l", str(self.mount)], check=False)
-        proc = self._procs.pop("sshfs", None)
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        self._stop("sshfs")
 
     # -- public
 

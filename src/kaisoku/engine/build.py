@@ -31,6 +31,7 @@ from kaisoku.engine.report import finish_line, write_report
 from kaisoku.engine.step import DataParallelStep, Precision, Preconditioner, StepEngine
 from kaisoku.engine.trainer import Trainer, TrainSettings, steps_for
 from kaisoku.errors import KaisokuError
+from kaisoku.memory.compress import ActivationCompressor
 from kaisoku.models.zoo import build_model
 from kaisoku.optim.factory import build_optimizer, build_optimizer_from_named, build_scheduler
 
@@ -161,6 +162,7 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
             preconditioner=_build_kfac(cfg, model, optimizer, precision, group),
             guard=guard,
             update_in_backward=cfg.memory.update_in_backward,
+            activations=ActivationCompressor(cfg.memory.compress) if cfg.memory.compress != "none" else None,
         )
     run_dir = Path(cfg.run_dir).expanduser()
     metrics = MetricsLogger(

@@ -21,6 +21,7 @@ from kaisoku.distributed.layout import ParallelLayout
 from kaisoku.distributed.named_state import load_named_optimizer_state
 from kaisoku.engine.divergence import NonFiniteGuard
 from kaisoku.errors import KaisokuError
+from kaisoku.memory.compress import ActivationCompressor
 from kaisoku.models.blocks import state_names
 
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -130,6 +131,7 @@ class DataParallelStep:
         preconditioner: Preconditioner | None = None,
         guard: NonFiniteGuard | None = None,
         update_in_backward: bool = False,
+        activations: ActivationCompressor | None = None,
     ) -> None:
         self.wrapped = model
         self._optimizer = optimizer
@@ -141,6 +143,8 @@ class DataParallelStep:
         """Watches for non-finite gradients; with ``every_step`` a non-finite step is skipped."""
         self.update_in_backward = update_in_backward
         """The optimizer already ran inside backward (``kaisoku.memory.in_backward`` hooks): no step here."""
+        self.activations = activations
+        """Compresses what each forward pass saves for backward (``memory.compress``), when given."""
 
     @property
     def model(self) -> nn.Module:
@@ -168,7 +172,8 @@ class DataParallelStep:
             no_sync = getattr(self.wrapped, "no_sync", None)
             sync = contextlib.nullcontext() if last or no_sync is None else no_sync()
             with sync:
-                with self.precision.autocast():
+                saving = self.activations.step() if self.activations else contextlib.nullcontext()
+                with self.precision.autocast(), saving:
                     loss = self.loss_fn(self.wrapped(images), labels) / count
                 scaler.scale(loss).backward()
             total += loss.detach().float()

@@ -77,39 +77,6 @@ def install_update_hooks(model: nn.Module, optimizer: Optimizer) -> Callable[[],
     return remove
 
 
-def update_after_allreduce_hook(
-    optimizer: Optimizer, base: Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
-) -> Callable[[Any, Any], torch.futures.Future[torch.Tensor]]:
-    """A DDP communication hook: ``base`` (the all-reduce) for the bucket, then the bucket's update.
-
-    Register it with ``ddp.register_comm_hook(state, hook)``; ``state`` is what ``base`` expects (the
-    process group for torch's default hooks).
-    """
-    stepper = SubsetStepper(optimizer)
-
-    def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        params = bucket.parameters()
-        grads = bucket.gradients()
-
-        def update(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            reduced = fut.value()
-            reduced = reduced[0] if isinstance(reduced, list) else reduced
-            buffer = bucket.buffer()
-            if reduced.data_ptr() != buffer.data_ptr():
-                buffer.copy_(reduced)  # a hook that returned a new tensor (e.g. decompressed bf16)
-            for param, grad in zip(params, grads):
-                param.grad = grad  # views of the averaged bucket
-            stepper.step(params)
-            return reduced
-
-        return base(state, bucket).then(update)
-
-    # DDP checks a hook's annotations as objects (dist.GradBucket); this module's are strings under
-    # postponed evaluation, and unannotated hooks pass the check.
-    hook.__annotations__ = {}
-    return hook
-
-
 def in_backward_conflict(
     *,
     optimizer: str,
@@ -147,12 +114,8 @@ def attach_update_in_backward(model: nn.Module, optimizer: Optimizer, *, compres
     ``compress_bf16``); the wrapper must have no communication hook yet.
     """
     if hasattr(model, "register_comm_hook"):
-        # torch's own all-reduce hooks (the only torch.distributed use here, reached through DDP's wrapper).
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from kaisoku.distributed.data_parallel import chain_after_allreduce
 
-        base = default_hooks.bf16_compress_hook if compress_bf16 else default_hooks.allreduce_hook
-        model.register_comm_hook(
-            getattr(model, "process_group", None), update_after_allreduce_hook(optimizer, base)
-        )
+        chain_after_allreduce(model, SubsetStepper(optimizer).step, compress_bf16=compress_bf16)
     else:
         install_update_hooks(model, optimizer)

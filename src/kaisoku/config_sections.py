@@ -1,0 +1,279 @@
+"""The sections of kaisoku's config tree: one kw-only dataclass per section, a docstring under each field.
+
+The docstrings are the ``kaisoku train --help`` text. :mod:`kaisoku.config` puts the sections together
+into :class:`~kaisoku.config.Config` and reads, writes and validates it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class ByteSize(int):
+    """A byte count; config files and the command line may write it as ``2GiB``, ``500MB`` or ``0``.
+
+    Parsed once, when the config is read, by :func:`kaisoku.units.parse_bytes`.
+    """
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which network to train."""
+
+    name: str = "resnet10"
+    """Model builder: resnet10, resnet18, resnet34, resnet50 (torchvision ResNets), small-cnn."""
+    num_classes: int = 0
+    """Number of output classes; 0 takes it from the dataset."""
+    stem: Literal["imagenet", "small", "compact"] = "compact"
+    """ResNet stem: imagenet (7x7/2 conv + max-pool, for 224 px), small (3x3/1 conv, no pool) or compact (3x3/2 conv, no pool: for images of 24 to 64 px)."""
+    zero_init_residual: bool = True
+    """Start the last BatchNorm gamma of every residual block at zero, so each block begins as identity."""
+    bn_momentum: float = 0.1
+    """BatchNorm running-statistics momentum."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where samples come from and how they are batched and augmented."""
+
+    path: str = ""
+    """Dataset: a packed dataset (kaisoku pack), or a folder of class sub-folders of images. Empty: kaisoku's generated demo set."""
+    cache_dir: str = "~/.cache/kaisoku"
+    """Where the generated demo set is written on first use."""
+    image_size: int = 24
+    """Side of the square training crop, in pixels."""
+    crop_scale_min: float = 0.35
+    """Smallest area fraction of the random-resized crop."""
+    global_batch: int = 128
+    """Samples per optimizer step over all ranks; stays fixed whatever the world size."""
+    workers: int = 1
+    """Decoding workers per rank: threads for packed data with data.loader threads (at least 1), else DataLoader worker processes (0 decodes in the training process)."""
+    val_fraction: float = 0.1
+    """Fraction of a class-folder dataset held out for validation when it has no val/ split."""
+    shuffle: Literal["global", "block", "partial"] = "global"
+    """Packed data: sample order each epoch, keyed by (train.seed, epoch): global (any sample anywhere), block (permuted shards, data.block_shards shuffled together: sequential reads), partial (each node trains on its own shards and exchanges data.exchange of them with the other nodes every epoch)."""
+    block_shards: int = 8
+    """block: shards whose samples are shuffled together."""
+    buffer_size: int = 0
+    """block: samples in a sliding window that mixes across block edges (0: none)."""
+    exchange: float = 0.0
+    """partial: fraction Q in [0, 1] of each node's samples exchanged per epoch (0: local only; 1: like global)."""
+    local_cache: str = ""
+    """Packed data: node-local directory (SSD) that stages shards from data.path; empty: no disk tier."""
+    local_capacity: ByteSize = ByteSize(0)
+    """Bytes the node-local tier may use, e.g. 200GiB (K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, kB/MB/GB/TB of 1000); 0 with data.local_cache: the free space of its file system minus a margin (logged)."""
+    ram_capacity: ByteSize = ByteSize(0)
+    """Bytes of RAM (/dev/shm, shared by a node's ranks) for staged shards, e.g. 16GiB; 0: off."""
+    ram_dir: str = "/dev/shm/kaisoku"
+    """Where the RAM tier, exchanged samples and the cache's control files live."""
+    skip_corrupt: bool = False
+    """Packed data: skip (and count) damaged records instead of stopping with an error naming them."""
+    crop_decode: bool = False
+    """Packed data: decode each JPEG at the smallest DCT scale (1/2, 1/4, 1/8) its training crop allows: much faster for large photos, pixels differ slightly from the exact decode (the default)."""
+    loader: Literal["threads", "processes"] = "threads"
+    """Packed data: how batches are made: threads (data.workers threads, at least 1, decode without the GIL into reused batch buffers; the fastest) or processes (a DataLoader with data.workers worker processes). Same batches either way."""
+
+
+@dataclass(kw_only=True)
+class KFACConfig:
+    """K-FAC: precondition Linear, Conv1d, Conv2d and BatchNorm gradients with Kronecker-factored curvature."""
+
+    enabled: bool = False
+    """Precondition gradients with K-FAC before every optimizer step (works with sgd and lars)."""
+    factor_update_steps: int = 1
+    """Update the running-average factors A and G every this many steps."""
+    inv_update_steps: int = 10
+    """Recompute the eigendecompositions (or inverses) every this many steps."""
+    damping: float = 1e-3
+    """Tikhonov damping: eigen applies (G (x) A + damping I)^-1; inverse adds sqrt(damping) to each factor."""
+    factor_decay: float = 0.95
+    """Weight of the old running average in each factor update, in [0, 1)."""
+    kl_clip: float = 1e-3
+    """Scale each update so that lr^2 * sum(v . g) <= kl_clip; 0 disables KL clipping."""
+    method: Literal["eigen", "inverse"] = "eigen"
+    """eigen (exact damping) or inverse (inverses with factored damping)."""
+    memory_mode: Literal["full", "owner"] = "full"
+    """full: every rank keeps every decomposition; owner: only its owner keeps it and broadcasts the preconditioned gradient."""
+    bn: Literal["diagonal", "unit", "skip"] = "diagonal"
+    """BatchNorm Fisher: diagonal, unit (2x2 per channel) or skip (left to the optimizer)."""
+    skip_layers: list[str] = field(default_factory=list)
+    """Module or class names K-FAC leaves to the optimizer."""
+    bucket_cap_mb: float = 25.0
+    """Size of the flat buffers the factor statistics are all-reduced in, in MiB."""
+    stat_fraction: float = 1.0
+    """Share of each batch (its first samples) the Linear/conv factor statistics are computed on, in (0, 1]."""
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """The optimizer and its hyper-parameters."""
+
+    name: Literal["sgd", "lars", "lamb", "adamw"] = "sgd"
+    """Optimizer: sgd (momentum SGD), lars (layer-wise trust ratio, for large batches), lamb or adamw."""
+    lr: float = 0.2
+    """Peak learning rate (after warmup)."""
+    momentum: float = 0.9
+    """Momentum factor."""
+    nesterov: bool = False
+    """Use Nesterov momentum."""
+    weight_decay: float = 5e-5
+    """L2 weight decay."""
+    no_decay_bn_bias: bool = True
+    """Exclude BatchNorm parameters and biases (ndim <= 1) from weight decay (and from LARS adaptation)."""
+    eta: float = 0.0
+    """LARS trust coefficient: the layer's step is scaled by eta * ||w|| / (||g|| + wd * ||w|| + eps); 0: by model size, 0.001 * (25.6e6 / params) ** 0.6 in [0.001, 0.08]."""
+    trust_clip: bool = False
+    """LARC: clip the LARS trust ratio so the layer lr never exceeds the global lr."""
+    eps: float = 1e-9
+    """LARS denominator epsilon."""
+    compile: bool = False
+    """Run the LARS update through torch.compile (fused kernels on GPUs; the first step compiles)."""
+    kfac: KFACConfig = field(default_factory=KFACConfig)
+
+
+@dataclass(kw_only=True)
+class SchedConfig:
+    """The learning-rate schedule, per optimizer step."""
+
+    name: Literal["constant", "cosine", "arccot", "poly", "step"] = "cosine"
+    """Schedule after warmup: constant, cosine, arccot (arc-cotangent), poly (polynomial) or step."""
+    warmup_epochs: float = 0.5
+    """Linear warmup, in epochs, up to the schedule's value where warmup ends (the peak, except arccot: about 0.94 of it with slope 10)."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of the peak (cosine, poly)."""
+    arccot_center: float = 0.5
+    """arccot: where the learning rate is exactly half the peak, as a fraction of the whole run."""
+    arccot_slope: float = 10.0
+    """arccot: steepness; lr = lr0 * arccot(slope * (t - center)) / pi with t the fraction of the run done."""
+    poly_power: float = 2.0
+    """poly: exponent of the polynomial decay."""
+    step_milestones: list[float] = field(default_factory=lambda: [0.5, 0.75])
+    """step: fractions of the run at which the learning rate is multiplied by step_gamma."""
+    step_gamma: float = 0.1
+    """step: multiplier at each milestone."""
+
+
+CompileMode = Literal["off", "model", "optimizer", "all", "auto"]
+"""What ``train.compile`` passes through torch.compile."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The training loop."""
+
+    epochs: float = 6.0
+    """Epochs to train (fractions allowed)."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps; 0 runs all epochs."""
+    seed: int = 0
+    """Seed of every random choice: init, sample order (seed, epoch), augmentation (seed, epoch, index)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Autocast precision: fp32, bf16 (CPU and CUDA) or fp16 with a gradient scaler (CUDA only)."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step (gradients synchronised on the last one only)."""
+    label_smoothing: float = 0.0
+    """Cross-entropy label smoothing."""
+    compile: CompileMode = "off"
+    """torch.compile: off, model, optimizer (its step), all, or auto (times 20 steps each way, keeps the faster)."""
+    val_every: int = 0
+    """Validate every N steps; 0 validates at the end of each epoch."""
+    log_every: int = 10
+    """Write a metrics line every N steps."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device: auto picks CUDA when available."""
+    on_nonfinite: Literal["stop", "skip", "rollback"] = "stop"
+    """A NaN/inf loss or gradient: stop (exit 4 naming the step and the first layer), skip (drop the step, as a gradient scaler does; checked every step) or rollback (reload the newest checkpoint with a lower learning rate). Checked at each log line and before every checkpoint; a checkpoint with non-finite weights is never written."""
+    max_skips: int = 10
+    """skip: stop after this many consecutive skipped steps."""
+    rollback_lr_scale: float = 0.5
+    """rollback: multiply the learning rate by this at each rollback."""
+    max_rollbacks: int = 3
+    """rollback: stop after this many rollbacks in one run."""
+
+
+@dataclass(kw_only=True)
+class DistConfig:
+    """Process groups and launching."""
+
+    nproc: int = 0
+    """Ranks to launch on this node; 0: one per GPU, else 2 CPU ranks."""
+    timeout: float = 300.0
+    """Seconds a collective waits for a peer before the run stops (torch's own default is 30 minutes)."""
+    max_restarts: int = 0
+    """Times torchrun restarts the ranks after a failure; a restarted run resumes from its newest checkpoint."""
+    eager_init: bool = True
+    """Join the process group in a background thread while the model and data are built."""
+    buckets: Literal["layer-groups", "uniform"] = "layer-groups"
+    """DDP gradient buckets: layer-groups (small near the output, growing towards the input) or uniform."""
+    first_bucket_mb: float = 1.0
+    """layer-groups: size of the first bucket (output end), in MiB."""
+    bucket_cap_mb: float = 25.0
+    """Largest bucket, in MiB."""
+    bucket_growth: float = 2.0
+    """layer-groups: size ratio between consecutive buckets."""
+    compress: Literal["none", "bf16"] = "none"
+    """Gradient compression on the wire: none or bf16 (halves all-reduce bytes)."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Checkpoints: what, when, how many."""
+
+    every_steps: int = 0
+    """Save every N optimizer steps; 0 saves at the end of each epoch."""
+    keep: int = 3
+    """How many of the newest checkpoints to keep."""
+    resume: str = ""
+    """Resume from: "" (no), "auto" (the newest valid checkpoint in the run dir) or a checkpoint file."""
+
+
+@dataclass(kw_only=True)
+class MetricsConfig:
+    """Progress, logs and summaries."""
+
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files under the run dir (needs the tensorboard package)."""
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """Hybrid data x pipeline parallelism and switch-parallel."""
+
+    dp: int = -1
+    """Data-parallel replicas; -1: the world size divided by pp. dp x pp must equal the world size."""
+    pp: int = 1
+    """Pipeline stages per replica (1: plain data parallelism with DDP)."""
+    microbatches: int = 4
+    """Micro-batches per replica batch when pp > 1; must divide the per-replica batch."""
+    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"
+    """Pipeline schedule."""
+    virtual_stages: int = 1
+    """Stages per rank for interleaved-1f1b (2 or more to interleave)."""
+    balance: Literal["parameters", "time"] = "parameters"
+    """Split the model's blocks into stages balanced by parameter count or by time measured on rank 0."""
+    switch: str = ""
+    """Switch-parallel schedule, e.g. "dp2xpp2:0-10,dp4:10-" (half-open ranges, last open-ended); overrides dp/pp."""
+    switch_unit: Literal["epoch", "step"] = "epoch"
+    """What the ranges of parallel.switch count."""
+
+    @property
+    def hybrid(self) -> bool:
+        """True when training runs on pipeline stages or switches layout (pp > 1 or a switch schedule)."""
+        return self.pp > 1 or bool(self.switch.strip())
+
+
+@dataclass(kw_only=True)
+class MemoryConfig:
+    """Training memory: recomputation of activations, the optimizer step inside backward."""
+
+    recompute: Literal["none", "blocks", "selective"] = "none"
+    """Activation checkpointing per model block: none, blocks (recompute each block in backward) or selective (keep conv/matmul outputs, recompute the cheap element-wise ops). Bit-identical training."""
+    blocks: str = ""
+    """Blocks that memory.recompute applies to, as indices of the model's ordered blocks ("1,3-6"); empty: all."""
+    compress: Literal["none", "bf16", "int8"] = "none"
+    """Keep saved activations compressed until backward: bf16, or int8 with a per-tensor scale from a 16-step history of absolute maxima. Not exact (see the README)."""
+    update_in_backward: bool = False
+    """Update each parameter as soon as its gradient is final (under DDP: per bucket after its all-reduce) and free the gradient; same weights. SGD, LARS, LAMB; not with grad_accum > 1, K-FAC, hybrid parallelism, fp16, on_nonfinite skip or a compiled optimizer."""
