@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kaisoku.config import Config, apply_override
+
 
 def train_args(data: Path, run_dir: Path, *extra: str) -> list[str]:
     """``kaisoku train`` on 2 ranks, 16 px images, batch 16, no workers, no progress bar."""
@@ -96,3 +98,21 @@ def metric_lines(run_dir: Path) -> list[dict]:
 
     text = (run_dir / "metrics.jsonl").read_text()
     return [json.loads(line, parse_constant=reject) for line in text.splitlines()]
+
+
+def tiny_config(data: Path | str, run_dir: Path | str, **overrides: object) -> Config:
+    """The config of a tiny in-process run: 16 px, batch 16, no loader workers, small-cnn, 2 epochs.
+
+    ``overrides`` are dotted keys written with ``__`` (``optim__lr=0.05``), applied in order.
+    """
+    cfg = Config(run_dir=str(run_dir))
+    cfg.data.path = str(data)
+    cfg.data.image_size = 16
+    cfg.data.global_batch = 16
+    cfg.data.workers = 0
+    cfg.model.name = "small-cnn"
+    cfg.train.epochs = 2
+    cfg.metrics.progress = False
+    for key, value in overrides.items():
+        apply_override(cfg, key.replace("__", "."), value)
+    return cfg

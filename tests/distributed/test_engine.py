@@ -7,29 +7,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from kaisoku.config import Config, apply_override
+from kaisoku.config import Config
 from kaisoku.data.datagen import generate
 from kaisoku.distributed.env import World
 from kaisoku.engine.build import build_trainer
 from tests.dist_harness import run_ranks
+from tests.train_harness import tiny_config
 
 
 def _config(data: Path, run_dir: Path, **overrides: object) -> Config:
-    cfg = Config(run_dir=str(run_dir))
-    cfg.data.path = str(data)
-    cfg.data.image_size = 16
-    cfg.data.global_batch = 16
-    cfg.data.workers = 0
-    cfg.model.name = "resnet10"
-    cfg.model.stem = "imagenet"  # the cheapest stem: 16 px inputs reach layer1 at 4 x 4
-    cfg.train.epochs = 2
-    cfg.train.log_every = 2
-    cfg.metrics.progress = False
-    cfg.sched.warmup_epochs = 0.5
-    cfg.optim.lr = 0.05  # tiny 16 px batches: the demo's 0.2 can diverge in bf16
-    for key, value in overrides.items():
-        apply_override(cfg, key.replace("__", "."), value)
-    return cfg
+    engine_settings: dict[str, object] = {
+        "model__name": "resnet10",
+        "model__stem": "imagenet",  # the cheapest stem: 16 px inputs reach layer1 at 4 x 4
+        "train__log_every": 2,
+        "sched__warmup_epochs": 0.5,
+        "optim__lr": 0.05,  # tiny 16 px batches: the demo's 0.2 can diverge in bf16
+    }
+    return tiny_config(data, run_dir, **{**engine_settings, **overrides})
 
 
 def _train(

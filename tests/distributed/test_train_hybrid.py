@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from kaisoku.config import Config, apply_override, validate
+from kaisoku.config import Config, validate
 from kaisoku.data.datagen import generate
 from kaisoku.distributed.env import World
 from kaisoku.distributed.named_state import named_from_torch_optimizer_state, named_optimizer_state
@@ -23,27 +23,20 @@ from kaisoku.models.blocks import state_names
 from kaisoku.optim.factory import build_optimizer, build_optimizer_from_named, build_scheduler, warmup_steps
 from kaisoku.optim.schedules import schedule_factor
 from tests.dist_harness import run_ranks
+from tests.train_harness import tiny_config
 
 # 80 samples / global batch 16 = 5 steps per epoch.
 STEPS_PER_EPOCH = 5
 
 
 def _config(data: Path | str, run_dir: Path | str, **overrides: object) -> Config:
-    cfg = Config(run_dir=str(run_dir))
-    cfg.data.path = str(data)
-    cfg.data.image_size = 16
-    cfg.data.global_batch = 16
-    cfg.data.workers = 0
-    cfg.model.name = "small-cnn"
-    cfg.train.epochs = 2
-    cfg.train.log_every = 1
-    cfg.metrics.progress = False
-    cfg.sched.warmup_epochs = 0.5
-    cfg.optim.lr = 0.05  # fixed here, whatever the default: a few steps that stay finite
-    cfg.parallel.microbatches = 2
-    for key, value in overrides.items():
-        apply_override(cfg, key.replace("__", "."), value)
-    return cfg
+    hybrid_settings: dict[str, object] = {
+        "train__log_every": 1,
+        "sched__warmup_epochs": 0.5,
+        "optim__lr": 0.05,  # fixed here, whatever the default: a few steps that stay finite
+        "parallel__microbatches": 2,
+    }
+    return tiny_config(data, run_dir, **{**hybrid_settings, **overrides})
 
 
 def _train(

@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kaisoku.config import Config, apply_override, validate
+from kaisoku.config import Config, validate
 from kaisoku.data.datagen import generate
 from kaisoku.distributed.env import World
 from kaisoku.engine.build import build_trainer
 from kaisoku.engine.step import DataParallelStep
 from kaisoku.errors import ConfigError
+from tests.train_harness import tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -21,16 +22,7 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(data: Path, run_dir: Path, **overrides: object) -> Config:
-    cfg = Config(run_dir=str(run_dir))
-    cfg.data.path = str(data)
-    cfg.data.image_size = 16
-    cfg.data.global_batch = 16
-    cfg.data.workers = 0
-    cfg.model.name = "small-cnn"
-    cfg.train.epochs = 2
-    cfg.metrics.progress = False
-    for key, value in overrides.items():
-        apply_override(cfg, key.replace("__", "."), value)
+    cfg = tiny_config(data, run_dir, **overrides)
     validate(cfg, world_size=1)
     return cfg
 
