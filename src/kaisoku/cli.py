@@ -126,24 +126,41 @@ def cmd_train(argv: Sequence[str]) -> int:
 
 
 def cmd_datagen(argv: Sequence[str]) -> int:
-    """``kaisoku datagen DIR --count N --size S``."""
+    """``kaisoku datagen DIR --count N --size S [--kind shapes|cosmo]``."""
     from kaisoku.data.datagen import CLASSES, generate
 
     parser = _Parser(
         prog="kaisoku datagen",
-        description="Write the procedurally drawn shapes dataset as JPEG class folders.",
+        description=(
+            "Write the procedurally drawn shapes dataset as JPEG class folders (--kind shapes), or synthetic "
+            "universes for CosmoFlow as DIR/cosmo.npz, int16 [4,D,D,D] volumes and 4 targets (--kind cosmo)."
+        ),
     )
     parser.add_argument("dir", help="output folder (must be new or empty)")
-    parser.add_argument("--count", type=int, default=8000, help="training images")
-    parser.add_argument("--size", type=int, default=40, help="image side in pixels")
+    parser.add_argument("--kind", choices=["shapes", "cosmo"], default="shapes", help="which dataset")
+    parser.add_argument("--count", type=int, default=8000, help="training samples")
+    parser.add_argument("--size", type=int, default=None, help="image side in pixels (40), volume side (32)")
     parser.add_argument("--val-count", type=int, default=None, help="validation images (default: count/10)")
     parser.add_argument("--seed", type=int, default=0, help="seed of every drawing choice")
     parser.add_argument("--workers", type=int, default=0, help="processes (0: one per core)")
     args = parser.parse_args(list(argv))
+    if args.kind == "cosmo":
+        from kaisoku.data.cosmo import generate_cosmo
+
+        path = generate_cosmo(
+            args.dir,
+            count=args.count,
+            size=args.size or 32,
+            val_count=args.val_count,
+            seed=args.seed,
+            workers=args.workers or None,
+        )
+        print(f"wrote {args.count} training universes of {args.size or 32}^3 to {path}; kaisoku pack it")
+        return 0
     root = generate(
         args.dir,
         count=args.count,
-        size=args.size,
+        size=args.size or 40,
         val_count=args.val_count,
         seed=args.seed,
         workers=args.workers or None,
@@ -197,6 +214,12 @@ def cmd_pack(argv: Sequence[str]) -> int:
         "--codec", default="raw", choices=list(available_codecs()), help="codec of non-image fields"
     )
     parser.add_argument(
+        "--error-bound",
+        type=float,
+        default=0.0,
+        help="--codec delta only: store every value within this distance of the original (0: lossless)",
+    )
+    parser.add_argument(
         "--workers", type=int, default=0, help="packing processes (0: one per core, at most 8)"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a previous pack in a non-empty DST")
@@ -215,11 +238,13 @@ def cmd_pack(argv: Sequence[str]) -> int:
         help="kaisoku pack --upgrade DIR: rewrite DIR's index as the current format version (shards stay)",
     )
     args = parser.parse_args(list(argv))
+    if args.error_bound and args.codec != "delta":
+        raise ConfigError(f"kaisoku pack: --error-bound needs --codec delta (got --codec {args.codec})")
     result = pack(
         args.src,
         args.dst,
         shard_bytes=parse_bytes(args.shard_size),
-        codec=args.codec,
+        codec=f"delta@{args.error_bound:g}" if args.error_bound else args.codec,
         workers=args.workers or None,
         overwrite=args.overwrite,
         progress=sys.stderr.isatty(),
@@ -270,6 +295,20 @@ def cmd_report(argv: Sequence[str]) -> int:
     return 0
 
 
+def cmd_probe(argv: Sequence[str]) -> int:
+    """``kaisoku probe PATH [--out machine.toml] [--seconds S]``."""
+    from kaisoku.probe import cmd_probe as run
+
+    return run(argv)
+
+
+def cmd_plan(argv: Sequence[str]) -> int:
+    """``kaisoku plan --cluster C.toml --dataset D [--nodes N] [--au 0.9] [--json] [--plot FILE.png]``."""
+    from kaisoku.plan import cmd_plan as run
+
+    return run(argv)
+
+
 _COMMANDS = {
     "train": cmd_train,
     "pack": cmd_pack,
@@ -277,6 +316,8 @@ _COMMANDS = {
     "datagen": cmd_datagen,
     "bench": cmd_bench,
     "report": cmd_report,
+    "probe": cmd_probe,
+    "plan": cmd_plan,
 }
 
 

@@ -32,6 +32,7 @@ from kaisoku.config_sections import (
     ModelConfig,
     OptimConfig,
     ParallelConfig,
+    PrecisionConfig,
     SchedConfig,
     TrainConfig,
 )
@@ -59,6 +60,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -178,8 +180,15 @@ def _normalise_key(key: str) -> str:
     return key.replace("-", "_")
 
 
+#: Keys that moved to another section -> where they live now.
+MOVED_KEYS = {"train.precision": "precision.mode"}
+
+
 def _resolve(cfg: Any, dotted: str) -> tuple[Any, str, Any]:
     """Find the section object, field name and type that ``dotted`` names, or raise ConfigError."""
+    moved = MOVED_KEYS.get(_normalise_key(dotted))
+    if moved:
+        raise ConfigError(f"{dotted} is now {moved}; set {moved} instead (e.g. --{moved} bf16)")
     parts = _normalise_key(dotted).split(".")
     obj = cfg
     for depth, part in enumerate(parts):
@@ -277,6 +286,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         (cfg.data.workers >= 0, "data.workers must be >= 0"),
         (0.0 <= cfg.data.val_fraction < 1.0, "data.val_fraction must be in [0, 1)"),
         (cfg.model.num_classes >= 0, "model.num_classes must be >= 0"),
+        (cfg.model.width >= 0, "model.width must be >= 0 (0: the model's own)"),
         (cfg.optim.lr > 0, f"optim.lr must be > 0 (got {cfg.optim.lr})"),
         (cfg.optim.weight_decay >= 0, "optim.weight_decay must be >= 0"),
         (0 <= cfg.optim.momentum < 1, "optim.momentum must be in [0, 1)"),
@@ -316,6 +326,14 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     conflict = compile_conflict(cfg.train.compile, hybrid=cfg.parallel.hybrid, kfac=cfg.optim.kfac.enabled)
     if conflict:
         raise ConfigError(conflict)
+    from kaisoku.engine.data_build import data_conflict
+
+    conflict = data_conflict(cfg)  # the dataset against the model and the loss, from its index alone
+    if conflict:
+        raise ConfigError(conflict)
+    from kaisoku.models.vit import check_vit_size
+
+    check_vit_size(cfg.model.name, cfg.data.image_size)  # a ViT's patch must divide the image side
     if cfg.memory.update_in_backward:
         from kaisoku.memory.in_backward import in_backward_conflict
 
@@ -324,7 +342,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             grad_accum=cfg.train.grad_accum,
             kfac=cfg.optim.kfac.enabled,
             hybrid=cfg.parallel.hybrid,
-            precision=cfg.train.precision,
+            precision=cfg.precision.mode,
             on_nonfinite=cfg.train.on_nonfinite,
             compile_mode=cfg.train.compile,
             compile_optimizer=cfg.optim.compile,
@@ -339,6 +357,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         from kaisoku.memory.checkpointing import parse_block_list
 
         parse_block_list(cfg.memory.blocks, _block_count(cfg.model))  # a ConfigError naming the valid range
+    from kaisoku.memory.planner import check_memory_config
+
+    check_memory_config(
+        cfg.memory, hybrid=cfg.parallel.hybrid, block_count=functools.partial(_block_count, cfg.model)
+    )
+    _validate_precision(cfg)
     shuffle, cache = data_settings(cfg.data)
     _validate_parallel(cfg, world_size, shuffle.depends_on_nodes, cache.enabled)
     if cfg.data.path and not Path(cfg.data.path).expanduser().exists():
@@ -391,13 +415,61 @@ def _validate_parallel(cfg: Config, world_size: int | None, node_shuffle: bool, 
     unsupported = [
         (cfg.train.grad_accum != 1, f"train.grad_accum {cfg.train.grad_accum}: use parallel.microbatches"),
         (cfg.optim.kfac.enabled, "optim.kfac.enabled (K-FAC runs on data parallelism only)"),
-        (cfg.train.precision == "fp16", "train.precision fp16 (use bf16 or fp32)"),
+        (cfg.precision.mode == "fp16", "precision.mode fp16 (use bf16 or fp32)"),
+        (cfg.precision.mode.endswith("-stats"), f"precision.mode {cfg.precision.mode} (use bf16 or fp32)"),
         (node_shuffle, f"data.shuffle {cfg.data.shuffle} (use global or block)"),
         (node_cache, "data.local_cache / data.ram_capacity (the node cache plans for data-parallel ranks)"),
     ]
     for refused, setting in unsupported:
         if refused:
             raise ConfigError(f"{what} does not work with {setting}")
+
+
+def _validate_precision(cfg: Config) -> None:
+    """``precision.*`` against the device the run will have and the model's layer names (ConfigError)."""
+    from kaisoku.precision import mode_conflict
+
+    prec = cfg.precision
+    if prec.history < 1:
+        raise ConfigError(f"precision.history must be >= 1 (got {prec.history})")
+    device = cfg.train.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    fp8_reason = ""
+    if prec.mode == "fp8-stats" and prec.fp8 == "real":
+        import torch
+
+        from kaisoku.precision.fp8 import fp8_support
+
+        fp8_reason = (
+            fp8_support(torch.device(device)) if device == "cpu" or torch.cuda.is_available() else "no CUDA"
+        )
+    conflict = mode_conflict(prec.mode, device, prec.fp8, fp8_reason)
+    if conflict:
+        raise ConfigError(conflict)
+    if not prec.mode.endswith("-stats"):
+        return
+    stats_conflicts = [
+        (
+            cfg.memory.recompute != "none",
+            "memory.recompute (a recomputed forward would round with a moved exponent)",
+        ),
+        (cfg.train.compile != "off", "train.compile (the scalers keep Python state per call)"),
+    ]
+    for refused, setting in stats_conflicts:
+        if refused:
+            raise ConfigError(f"precision.mode {prec.mode} does not work with {setting}; turn it off")
+    if any(k.strip() not in ("first", "last", "") for k in prec.keep):
+        import torch
+
+        from kaisoku.models.zoo import build_model
+        from kaisoku.precision import resolve_keep
+
+        with torch.device("meta"):
+            model = build_model(cfg.model.name, num_classes=cfg.model.num_classes or 10, stem=cfg.model.stem)
+        resolve_keep(model, prec.keep)  # a ConfigError listing the layers
 
 
 def _block_count(model: ModelConfig) -> int:

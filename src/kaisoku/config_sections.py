@@ -22,7 +22,7 @@ class ModelConfig:
     """Which network to train."""
 
     name: str = "resnet10"
-    """Model builder: resnet10, resnet18, resnet34, resnet50 (torchvision ResNets), small-cnn."""
+    """Model builder: resnet10, resnet18, resnet34, resnet50 (torchvision ResNets), small-cnn, cosmoflow (3D CNN regressing 4 parameters from [4, D, D, D] volumes, D = data.image_size), vit-tiny (6 layers, width 192, patch 4 for 32-64 px), vit-b16 (torchvision ViT-B/16); vision transformers take their image size from data.image_size."""
     num_classes: int = 0
     """Number of output classes; 0 takes it from the dataset."""
     stem: Literal["imagenet", "small", "compact"] = "compact"
@@ -31,6 +31,8 @@ class ModelConfig:
     """Start the last BatchNorm gamma of every residual block at zero, so each block begins as identity."""
     bn_momentum: float = 0.1
     """BatchNorm running-statistics momentum."""
+    width: int = 0
+    """cosmoflow: channels of the first of its five conv blocks, doubled at each block; 0: the reference's 32 (cosmoflow-cpu uses 8 to train on a CPU)."""
 
 
 @dataclass(kw_only=True)
@@ -120,7 +122,7 @@ class OptimConfig:
     weight_decay: float = 5e-5
     """L2 weight decay."""
     no_decay_bn_bias: bool = True
-    """Exclude BatchNorm parameters and biases (ndim <= 1) from weight decay (and from LARS adaptation)."""
+    """Exclude norm parameters and biases (ndim <= 1) and a ViT's class token and position embedding from weight decay (and from LARS/LAMB adaptation)."""
     eta: float = 0.0
     """LARS trust coefficient: the layer's step is scaled by eta * ||w|| / (||g|| + wd * ||w|| + eps); 0: by model size, 0.001 * (25.6e6 / params) ** 0.6 in [0.001, 0.08]."""
     trust_clip: bool = False
@@ -152,6 +154,8 @@ class SchedConfig:
     """step: fractions of the run at which the learning rate is multiplied by step_gamma."""
     step_gamma: float = 0.1
     """step: multiplier at each milestone."""
+    step_factors: list[float] = field(default_factory=list)
+    """step: the multiplier of the peak from each milestone on, one per milestone (e.g. 0.25, 0.125); empty: step_gamma compounded."""
 
 
 CompileMode = Literal["off", "model", "optimizer", "all", "auto"]
@@ -168,12 +172,12 @@ class TrainConfig:
     """Stop after this many optimizer steps; 0 runs all epochs."""
     seed: int = 0
     """Seed of every random choice: init, sample order (seed, epoch), augmentation (seed, epoch, index)."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Autocast precision: fp32, bf16 (CPU and CUDA) or fp16 with a gradient scaler (CUDA only)."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step (gradients synchronised on the last one only)."""
     label_smoothing: float = 0.0
     """Cross-entropy label smoothing."""
+    loss: Literal["auto", "cross-entropy", "mse"] = "auto"
+    """Loss: auto takes it from the dataset's task (cross-entropy for classification, mse, mean squared error, for a regression set such as kaisoku datagen --kind cosmo); a loss that does not fit the task is refused."""
     compile: CompileMode = "off"
     """torch.compile: off, model, optimizer (its step), all, or auto (times 20 steps each way, keeps the faster)."""
     val_every: int = 0
@@ -267,7 +271,7 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class MemoryConfig:
-    """Training memory: recomputation of activations, the optimizer step inside backward."""
+    """Training memory: recomputation, compression and offload of activations, the optimizer step inside backward, the budget planner."""
 
     recompute: Literal["none", "blocks", "selective"] = "none"
     """Activation checkpointing per model block: none, blocks (recompute each block in backward) or selective (keep conv/matmul outputs, recompute the cheap element-wise ops). Bit-identical training."""
@@ -277,3 +281,39 @@ class MemoryConfig:
     """Keep saved activations compressed until backward: bf16, or int8 with a per-tensor scale from a 16-step history of absolute maxima. Not exact (see the README)."""
     update_in_backward: bool = False
     """Update each parameter as soon as its gradient is final (under DDP: per bucket after its all-reduce) and free the gradient; same weights. SGD, LARS, LAMB; not with grad_accum > 1, K-FAC, hybrid parallelism, fp16, on_nonfinite skip or a compiled optimizer."""
+    offload: Literal["none", "pinned", "disk"] = "none"
+    """Move saved activations out until backward: pinned (CUDA: pinned host memory on a side stream, prefetched back) or disk (files in memory.offload_dir, background writer, read-ahead in backward order). Exact."""
+    offload_dir: str = ""
+    """Node-local directory for memory.offload disk (and for the planner's offload choice); must exist and be writable."""
+    budget: str = ""
+    """Memory one training step may add to what the run holds between steps (activations, gradients, temporaries): a size (2GiB) or a fraction of the GPU's or host's memory (0.5). Profiles one step, then picks keep/compress/recompute/offload per block with the least added time; logged and written to metrics.jsonl."""
+    policy: str = ""
+    """Force a technique per block, e.g. "0-2:recompute,5:compress" (keep, compress, recompute, offload); with memory.budget the planner chooses the other blocks."""
+
+
+PrecisionMode = Literal["fp32", "bf16", "fp16", "int8-stats", "int16-stats", "fp8-stats"]
+"""What ``precision.mode`` runs the model in."""
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    """Numeric precision: autocast, or low precision with shared exponents chosen from statistics."""
+
+    mode: PrecisionMode = "fp32"
+    """fp32; bf16 autocast (CPU and CUDA); fp16 autocast with a gradient scaler (CUDA only); or int8-stats, int16-stats, fp8-stats: every Conv2d/Linear rounds its weight, input and output gradient to int8/int16 fixed point or fp8 (E4M3 forward, E5M2 gradients) with a per-tensor exponent from the last precision.history absolute maxima (emulated on the CPU; real fp8 matmuls for Linear layers on GPUs with fp8 tensor cores)."""
+    history: int = 16
+    """*-stats: absolute maxima each tensor's exponent e = ceil(log2(max)) is chosen from."""
+    keep: list[str] = field(default_factory=lambda: ["first", "last"])
+    """*-stats: Conv2d/Linear layers kept in precision.keep_format: layer names (as in model.named_modules), first, last; empty: none."""
+    keep_format: Literal["bf16", "fp32"] = "bf16"
+    """*-stats: the format of the kept layers."""
+    tensors: list[str] = field(default_factory=lambda: ["weights", "activations", "gradients"])
+    """*-stats: what the quantized layers round (the others stay float32)."""
+    exponent: Literal["stats", "fixed"] = "stats"
+    """*-stats: stats (from the amax history) or fixed (precision.fixed_exponent for every tensor: the control without statistics)."""
+    fixed_exponent: int = 0
+    """exponent fixed: the shared exponent of every tensor (int8: values in [-1, 1) on a grid of 2^-7 at 0)."""
+    gradient_rounding: Literal["nearest", "stochastic"] = "stochastic"
+    """int8-stats/int16-stats: how gradients round to fixed point: stochastic (unbiased; random bits keyed by train.seed and the layer) or nearest."""
+    fp8: Literal["auto", "emulate", "real"] = "auto"
+    """fp8-stats: auto (real fp8 matmuls where the GPU has fp8 tensor cores, else emulated), emulate, or real (refused where unsupported)."""

@@ -58,6 +58,36 @@ GOALS: dict[str, set[str]] = {
         "compression_val_accuracy_gap_points",
         "offload_rows",
     },
+    "plan": {
+        "epoch_time_median_abs_error",
+        "epoch_time_worst_abs_error",
+        "recommendation_within_10pct_of_fastest",
+    },
+    "vit": {
+        "val_accuracy",
+        "seconds_to_60pct",
+        "switch_accuracy_gap_in_dp_stds",
+        "bubble_1f1b_worst_relative_gap",
+    },
+    "cosmoflow": {
+        "val_mae_32cubed",
+        "wall_minutes",
+        "zstd_ratio_vs_raw",
+        "delta_ratio_vs_zstd",
+        "lossy_mae_gap",
+        "lossy_ratio",
+        "loader_rate_vs_uncompressed_min",
+    },
+    "precision": {
+        f"{prefix}_{label}"
+        for label in ("mnist_small_cnn", "shapes_resnet10")
+        for prefix in (
+            "int8_stats_gap_points",
+            "fp8_stats_gap_points",
+            "int16_stats_gap_points",
+            "int8_fixed_control_gap_points",
+        )
+    },
 }
 
 

@@ -87,7 +87,7 @@ def test_grad_accumulation_and_bf16_run(tmp_path: Path, tiny_data: Path) -> None
         "",
         {
             "train__grad_accum": 2,
-            "train__precision": "bf16",
+            "precision__mode": "bf16",
             "dist__compress": "bf16",
             "data__global_batch": 32,
             "model__name": "small-cnn",  # resnet10 at 1x1 spatial size in bf16 went NaN now and then

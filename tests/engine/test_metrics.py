@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import resource
 from pathlib import Path
 
 import pytest
@@ -138,10 +137,11 @@ def test_print_summary_is_a_table_with_floats_to_four_digits(capsys: pytest.Capt
 
 
 def test_peak_memory_on_cpu_is_the_resident_high_water_mark_in_mib() -> None:
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # The high-water mark may be reset (clear_refs) by interval measurements, never below the current RSS.
+    status = Path("/proc/self/status").read_text()
+    rss_mib = int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) / 1024
     peak = peak_memory_mib(torch.device("cpu"))
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    assert before <= peak <= after
+    assert peak >= rss_mib * 0.99
     # A touched 64 MiB buffer shows up in the high-water mark (units are MiB, not KiB or bytes).
     buffer = torch.ones(16 * 2**20, dtype=torch.float32)  # every page written
     assert peak_memory_mib(torch.device("cpu")) >= buffer.numel() * buffer.element_size() / 2**20

@@ -14,7 +14,7 @@ from kaisoku.errors import ConfigError
         (lambda c: setattr(c.train, "grad_accum", 2), "train.grad_accum > 1"),
         (lambda c: setattr(c.optim.kfac, "enabled", True), "optim.kfac"),
         (lambda c: setattr(c.parallel, "pp", 2), "hybrid parallelism"),
-        (lambda c: setattr(c.train, "precision", "fp16"), "train.precision fp16"),
+        (lambda c: setattr(c.precision, "mode", "fp16"), "precision.mode fp16"),
         (lambda c: setattr(c.train, "on_nonfinite", "skip"), "train.on_nonfinite skip"),
         (lambda c: setattr(c.optim, "name", "adamw"), "optim.name adamw"),
     ],
@@ -88,4 +88,41 @@ def test_block_list_checked_before_training() -> None:
     cfg.memory.recompute = "blocks"
     cfg.memory.blocks = "1-40"
     with pytest.raises(ConfigError, match=r"memory.blocks: '1-40' is outside the model's blocks 0-9"):
+        validate(cfg)
+
+
+@pytest.mark.timeout(300)
+def test_budget_plan_is_logged_and_a_too_small_budget_refused(tmp_path) -> None:
+    """memory.budget through the objects ``kaisoku train`` builds: the plan lands in metrics.jsonl."""
+    import json
+
+    from kaisoku.data.datagen import generate
+
+    data = generate(tmp_path / "shapes", count=32, size=16, val_count=16, workers=1)
+    _, summary = _trained(
+        data, tmp_path / "plan", budget="0.9", policy="0:recompute", offload_dir=str(tmp_path)
+    )
+    lines = [json.loads(line) for line in (tmp_path / "plan" / "metrics.jsonl").read_text().splitlines()]
+    plans = [line for line in lines if line.get("event") == "memory_plan"]
+    assert len(plans) == 1 and plans[0]["techniques"][0] == "recompute"
+    assert plans[0]["predicted_peak_bytes"] <= plans[0]["budget_bytes"]
+    steps = [line for line in lines if "peak_memory_mib" in line and "step" in line]
+    assert steps and all(line["peak_memory_mib"] > 0 for line in steps)
+    with pytest.raises(ConfigError, match=r"needs at least .* with everything recomputed") as info:
+        _trained(data, tmp_path / "small", budget="1KiB")
+    assert "\n" not in str(info.value)
+
+
+def test_policy_naming_a_missing_block_lists_the_blocks() -> None:
+    cfg = Config()
+    cfg.model.name = "resnet18"
+    cfg.memory.policy = "0-2:recompute,12:compress"
+    with pytest.raises(
+        ConfigError, match=r"memory.policy: block '12' does not exist; the model's blocks are 0-9"
+    ):
+        validate(cfg)
+    cfg.memory.policy = ""
+    cfg.memory.offload = "disk"
+    cfg.memory.offload_dir = "/nonexistent/kaisoku"
+    with pytest.raises(ConfigError, match="memory.offload_dir /nonexistent/kaisoku does not exist"):
         validate(cfg)

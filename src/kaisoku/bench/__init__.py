@@ -30,6 +30,10 @@ BENCHMARKS: dict[str, str] = {
     "kfac": "kaisoku.bench.kfac",
     "compile": "kaisoku.bench.compile",
     "memory": "kaisoku.bench.memory",
+    "precision": "kaisoku.bench.precision",
+    "plan": "kaisoku.bench.plan",
+    "vit": "kaisoku.bench.vit",
+    "cosmoflow": "kaisoku.bench.cosmoflow",
 }
 
 #: Where recorded results live, relative to a checkout.

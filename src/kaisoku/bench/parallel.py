@@ -75,10 +75,35 @@ def _bubble_model(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
-def _bubble_rank(
-    rank: int, world_size: int, tmp: Path, width: int, depth: int, micro_size: int, ms: list[int], rounds: int
+class _BubbleMLP:
+    """A picklable model factory: depth x (Linear(width, width) + ReLU) + Linear(width, 10), seeded."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        self.width, self.depth = width, depth
+
+    def __call__(self) -> nn.Module:
+        """A fresh copy of the model."""
+        return _bubble_model(self.width, self.depth)
+
+
+def bubble_rank(
+    rank: int,
+    world_size: int,
+    tmp: Path,
+    width: int,
+    depth: int,
+    micro_size: int,
+    ms: list[int],
+    rounds: int,
+    make_model: Callable[[], nn.Module] | None = None,
+    sample_shape: tuple[int, ...] | None = None,
+    schedule_names: tuple[str, ...] = ("gpipe", "1f1b"),
 ) -> dict[str, list[tuple[float, float]]]:
-    """Per configuration "schedule/m": one (blocked seconds, step seconds) pair per measured step."""
+    """Per configuration "schedule/m": one (blocked seconds, step seconds) pair per measured step.
+
+    The model is ``make_model()`` on inputs of ``sample_shape`` (default: the MLP of ``width`` and
+    ``depth`` on vectors of ``width``); ``kaisoku bench vit`` measures a vision transformer this way.
+    """
     from torch.distributed.pipelining import schedules
 
     blocked = [0.0]
@@ -93,9 +118,11 @@ def _bubble_rank(
     schedules._wait_batch_p2p = timed_wait
     mesh = build_mesh(ParallelLayout(1, 2))
     runs: dict[str, Callable[[], tuple[float, float]]] = {}
-    for schedule in ("gpipe", "1f1b"):
+    make_model = make_model or _BubbleMLP(width, depth)
+    shape = sample_shape or (width,)
+    for schedule in schedule_names:
         for m in ms:
-            runs[f"{schedule}/{m}"] = _bubble_step(schedule, m, mesh, width, depth, micro_size, blocked)
+            runs[f"{schedule}/{m}"] = _bubble_step(schedule, m, mesh, make_model, shape, micro_size, blocked)
     measured: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
     names = list(runs)
     for name in names:
@@ -110,17 +137,23 @@ def _bubble_rank(
 
 
 def _bubble_step(
-    schedule: str, m: int, mesh: ParallelMesh, width: int, depth: int, micro_size: int, blocked: list[float]
+    schedule: str,
+    m: int,
+    mesh: ParallelMesh,
+    make_model: Callable[[], nn.Module],
+    shape: tuple[int, ...],
+    micro_size: int,
+    blocked: list[float],
 ) -> Callable[[], tuple[float, float]]:
     hybrid = HybridParallel(
-        _bubble_model(width, depth),
+        make_model(),
         mesh,
         loss_fn=nn.functional.cross_entropy,
         optimizer_factory=_SGDFactory(0.01),
         options=HybridOptions(microbatches=m, schedule=schedule),
     )
     generator = torch.Generator().manual_seed(m)
-    x = torch.randn(m * micro_size, width, generator=generator)
+    x = torch.randn(m * micro_size, *shape, generator=generator)
     y = torch.randint(0, 10, (m * micro_size,), generator=generator)
 
     def step() -> tuple[float, float]:
@@ -149,7 +182,11 @@ def bench_bubble(quick: bool) -> list[dict[str, Any]]:
     ms = [2, 4, 8]
     width, depth, micro_size = 1024, 8, 128
     rounds = 3 if quick else 12
-    per_rank = launch(_bubble_rank, 2, width, depth, micro_size, ms, rounds)
+    return bubble_rows(launch(bubble_rank, 2, width, depth, micro_size, ms, rounds))
+
+
+def bubble_rows(per_rank: list[dict[str, list[tuple[float, float]]]]) -> list[dict[str, Any]]:
+    """The rows of :func:`bench_bubble` from each rank's :func:`bubble_rank` result (pp=2)."""
     rows = []
     p = 2
     for name in per_rank[0]:

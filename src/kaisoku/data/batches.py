@@ -2,7 +2,8 @@
 
 JPEG decoding (libjpeg-turbo through simplejpeg), resampling (Pillow) and the flip-and-transpose copy
 all release the GIL, so a few threads in the training process decode in parallel, and each writes its
-samples into a preallocated uint8 NCHW batch: no worker processes to start each epoch, no batch pickled
+samples into a preallocated batch (uint8 NCHW for images; the sample's own dtype and shape otherwise, e.g.
+float32 volumes with float targets for regression): no worker processes to start each epoch, no batch pickled
 or passed through shared memory, no fresh batch tensor per step. Buffers come from a ring and are reused
 ``ring`` batches later, so a batch stays valid while the trainer holds it (it holds at most a step's
 micro-batches); with ``pin_memory`` (CUDA) the ring is pinned once.
@@ -65,13 +66,21 @@ class ThreadedBatches:
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self._buffers: list[tuple[torch.Tensor, np.ndarray]] = []
         self._shape: tuple[int, ...] | None = None
+        self._dtype = torch.uint8
+        self._targets: np.ndarray | None = None  # an array target's (shape, dtype) template, e.g. regression
+        self._kept: list[np.ndarray] = []
         self._slot = 0
 
     def _allocate(self, batch: int, shape: tuple[int, ...]) -> None:
-        self._buffers = []
+        self._buffers, self._kept = [], []
         for _ in range(self.ring):
-            images = torch.empty((batch, *shape), dtype=torch.uint8, pin_memory=self.pin_memory)
-            self._buffers.append((images, np.empty(batch, dtype=np.int64)))
+            images = torch.empty((batch, *shape), dtype=self._dtype, pin_memory=self.pin_memory)
+            if self._targets is None:
+                labels = np.empty(batch, dtype=np.int64)
+            else:
+                labels = np.empty((batch, *self._targets.shape), dtype=self._targets.dtype)
+            self._buffers.append((images, labels))
+            self._kept.append(np.ones(batch, dtype=bool))
 
     def _first_samples(self, keys: Sequence[Key]) -> dict[int, tuple[np.ndarray, int] | None]:
         """Samples read the ordinary way up to the first one not skipped: its shape sizes the buffers."""
@@ -85,31 +94,55 @@ class ThreadedBatches:
         )
 
     def _fill(
-        self, images: np.ndarray, labels: np.ndarray, keys: Sequence[Key], part: int, done: int
+        self,
+        images: np.ndarray,
+        labels: np.ndarray,
+        kept: np.ndarray,
+        keys: Sequence[Key],
+        part: int,
+        done: int,
     ) -> None:
         for j in range(part, len(keys), self.threads):
             if j >= done:  # the first ``done`` samples were read while sizing the buffers
                 label = self.dataset.read_into(keys[j], images[j])
-                labels[j] = _SKIPPED if label is None else label
+                if self._targets is None:
+                    labels[j] = _SKIPPED if label is None else label
+                else:
+                    kept[j] = label is not None
+                    if label is not None:
+                        labels[j] = label
 
     def _submit(self, pool: ThreadPoolExecutor, keys: Sequence[Key]) -> tuple[Any, ...]:
         first: dict[int, tuple[np.ndarray, int] | None] = {}
         if self._shape is None:
             first = self._first_samples(keys)
-            self._shape = next(tuple(np.asarray(s[0]).shape) for s in first.values() if s is not None)
+            sample0 = next(s for s in first.values() if s is not None)
+            self._shape = tuple(np.asarray(sample0[0]).shape)
+            self._dtype = torch.from_numpy(np.asarray(sample0[0])[:0]).dtype
+            if isinstance(sample0[1], np.ndarray):
+                self._targets = sample0[1]
         if not self._buffers or self._buffers[0][0].shape[0] < len(keys):
             self._allocate(len(keys), self._shape)
         images, labels = self._buffers[self._slot]
+        kept = self._kept[self._slot]
+        kept[:] = True
         self._slot = (self._slot + 1) % self.ring
         view = images.numpy()[: len(keys)]
         for j, sample in first.items():
-            labels[j] = _SKIPPED if sample is None else sample[1]
+            if self._targets is None:
+                labels[j] = _SKIPPED if sample is None else sample[1]
+            else:
+                kept[j] = sample is not None
+                if sample is not None:
+                    labels[j] = sample[1]
             if sample is not None:
                 view[j] = sample[0]
+        done = len(first)
         futures = [
-            pool.submit(self._fill, view, labels, keys, part, len(first)) for part in range(self.threads)
+            pool.submit(self._fill, view, labels, kept, keys, part, done) for part in range(self.threads)
         ]
-        return images[: len(keys)], labels[: len(keys)], futures
+        array_kept = kept[: len(keys)] if self._targets is not None else None
+        return images[: len(keys)], labels[: len(keys)], futures, array_kept
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         pending: deque[tuple[Any, ...]] = deque()
@@ -122,16 +155,17 @@ class ThreadedBatches:
                 while pending:
                     yield self._finish(pending.popleft())
             finally:
-                for _, _, futures in pending:
+                for _, _, futures, _ in pending:
                     for future in futures:
                         future.cancel()
 
     @staticmethod
     def _finish(entry: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        images, labels, futures = entry
+        images, labels, futures, kept = entry
         for future in futures:
             Future.result(future)  # re-raises a decoding error with its own message
-        kept = labels != _SKIPPED
+        if kept is None:
+            kept = labels != _SKIPPED
         if not kept.all():
             if not kept.any():
                 raise KaisokuError(

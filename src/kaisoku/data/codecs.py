@@ -89,8 +89,19 @@ class Lz4Codec:
         return self._frame.decompress(bytes(data))
 
 
-_FACTORIES: dict[str, type] = {"raw": RawCodec, "zstd": ZstdCodec, "lz4": Lz4Codec}
-_REQUIRES = {"zstd": "zstandard", "lz4": "lz4"}
+def _delta(error_bound: str = "0") -> Codec:
+    """The frame-predictive codec of :mod:`kaisoku.data.delta` (``delta``, or ``delta@E`` error-bounded)."""
+    from kaisoku.data.delta import DeltaCodec
+
+    try:
+        bound = float(error_bound)
+    except ValueError:
+        raise KaisokuError(f"codec delta@{error_bound}: the error bound must be a number") from None
+    return DeltaCodec(bound)
+
+
+_FACTORIES: dict[str, type | object] = {"raw": RawCodec, "zstd": ZstdCodec, "lz4": Lz4Codec, "delta": _delta}
+_REQUIRES = {"zstd": "zstandard", "lz4": "lz4", "delta": "zstandard"}
 _local = threading.local()
 
 
@@ -116,12 +127,13 @@ def get_codec(name: str) -> Codec:
     codec = cache.get(name)
     if codec is not None:
         return codec
-    if name not in _FACTORIES:
+    base, _, argument = name.partition("@")  # a parameterised codec: delta@0.5
+    if base not in _FACTORIES or (argument and base != "delta"):
         raise KaisokuError(f"unknown codec {name!r}; choose one of {', '.join(codec_names())}")
-    module = _REQUIRES.get(name)
+    module = _REQUIRES.get(base)
     if module is not None and importlib.util.find_spec(module) is None:
         raise KaisokuError(f"codec {name!r} needs the {module!r} package: pip install {module}")
-    codec = _FACTORIES[name]()
+    codec = _FACTORIES[base](argument) if argument else _FACTORIES[base]()  # type: ignore[operator]
     cache[name] = codec
     return codec
 

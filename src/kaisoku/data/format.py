@@ -200,6 +200,20 @@ class Index:
     """The ``tables`` entry of a version-2 index (layout, size, CRC32 of ``index.tables``) once written or
     read; None for an index not yet written or read from version 1."""
 
+    task: str | None = None
+    """What the dataset is for: ``classification`` (an int ``label``) or ``regression`` (float targets in
+    the ``target`` field); None (when packing) takes it from the schema (:func:`task_of`). Written only
+    for regression, so classification indexes are unchanged and one without the key reads as
+    classification."""
+
+    target: str | None = None
+    """The field training predicts: ``label`` for classification, the float array field for regression."""
+
+    def __post_init__(self) -> None:
+        if self.task is None:
+            for key, value in task_of(self.fields).items():
+                object.__setattr__(self, key, value)
+
     def __reduce__(self) -> Any:
         # Read from disk: a new process maps the same tables file (shared pages) instead of receiving a
         # private copy of every per-record array.
@@ -277,6 +291,7 @@ class Index:
             "columns": sorted(self.columns),
             "tables": dict(tables),
             "shards": [shard.to_json() for shard in self.shards],
+            **({"task": self.task, "target": self.target} if self.task != "classification" else {}),
         }
 
     def dumps(self) -> str:
@@ -371,6 +386,7 @@ def index_from_json(document: Any, root: Path, *, index_path: Path | None = None
             pack=dict(document.get("pack") or {}),
             skipped=tuple(str(s) for s in document.get("skipped") or ()),
             version=version,
+            **_task(document, fields, where),
         )
     except (KeyError, TypeError, ValueError, OverflowError) as error:
         if isinstance(error, KaisokuError):
@@ -382,7 +398,7 @@ def index_from_json(document: Any, root: Path, *, index_path: Path | None = None
 
 def _header(document: Mapping[str, Any], where: Path) -> tuple[str, tuple[Field, ...]]:
     codec = document["codec"]
-    _require(codec in codec_names(), where, f"unknown codec {codec!r}")
+    _require(str(codec).partition("@")[0] in codec_names(), where, f"unknown codec {codec!r}")
     fields = tuple(
         Field(
             name=f["name"],
@@ -395,6 +411,29 @@ def _header(document: Mapping[str, Any], where: Path) -> tuple[str, tuple[Field,
     _require(len(fields) > 0, where, "no fields")
     _require(len({f.name for f in fields}) == len(fields), where, "duplicate field names")
     return codec, fields
+
+
+TASKS = ("classification", "regression")
+"""Dataset tasks an index can declare."""
+
+
+def task_of(fields: Sequence[Field]) -> dict[str, str]:
+    """``{"task", "target"}`` of a schema: regression when a float array field ``y`` holds the targets
+    (a packed ``.npz`` whose ``y_<split>`` is float), else classification."""
+    for f in fields:
+        if f.name == "y" and f.kind == "array" and f.dtype is not None and np.dtype(f.dtype).kind == "f":
+            return {"task": "regression", "target": f.name}
+    return {"task": "classification", "target": "label"}
+
+
+def _task(document: Mapping[str, Any], fields: Sequence[Field], where: Path) -> dict[str, str]:
+    task = str(document.get("task", "classification"))
+    _require(task in TASKS, where, f"unknown task {task!r}")
+    if task == "classification":
+        return {"task": task, "target": "label"}
+    target = str(document.get("target", ""))
+    _require(any(f.name == target for f in fields), where, f"target field {target!r} is not a field")
+    return {"task": task, "target": target}
 
 
 def _index_v2(document: Mapping[str, Any], root: Path, where: Path) -> Index:
@@ -467,6 +506,7 @@ def _index_v2(document: Mapping[str, Any], root: Path, where: Path) -> Index:
         skipped=tuple(str(s) for s in document.get("skipped") or ()),
         version=2,
         tables=dict(described),
+        **_task(document, fields, where),
     )
 
 

@@ -72,7 +72,10 @@ class RecordCodec:
                 raise KaisokuError(f"sample has no field {f.name!r} (fields: {', '.join(sorted(sample))})")
             raw = _field_bytes(f, sample[f.name])
             logical += len(raw)
-            stored = codec.encode(raw) if f.compressed else raw
+            stored = raw
+            if f.compressed:
+                by_shape = getattr(codec, "encode_array", None) if f.kind == "array" else None
+                stored = by_shape(raw, f.dtype, f.shape) if by_shape else codec.encode(raw)
             if f.kind != "int":
                 lengths.append(len(stored))
             payloads.append(stored)

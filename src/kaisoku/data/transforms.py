@@ -328,7 +328,8 @@ def crop_decode_into(
 
 
 def collate(samples: Sequence[tuple[np.ndarray, int] | None]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack ``(CHW uint8 image, label)`` pairs into a uint8 NCHW tensor and int64 labels.
+    """Stack ``(CHW uint8 image, label)`` pairs into a uint8 NCHW tensor and int64 labels (or arrays and
+    their array targets, e.g. float32 volumes and regression targets, into tensors of their dtypes).
 
     ``None`` entries (records a dataset skipped as damaged, already logged and counted there) are
     left out, so such a batch is smaller.
@@ -339,6 +340,8 @@ def collate(samples: Sequence[tuple[np.ndarray, int] | None]) -> tuple[torch.Ten
             f"cannot collate a batch of {len(samples)} samples: none left after skipping damaged records"
         )
     images = np.stack([image for image, _ in kept])
+    if isinstance(kept[0][1], np.ndarray):  # array targets (regression): stacked as they are
+        return torch.from_numpy(images), torch.from_numpy(np.stack([target for _, target in kept]))
     labels = np.fromiter((int(label) for _, label in kept), dtype=np.int64, count=len(kept))
     return torch.from_numpy(images), torch.from_numpy(labels)
 

@@ -31,7 +31,6 @@ from kaisoku.engine.report import finish_line, write_report
 from kaisoku.engine.step import DataParallelStep, Precision, Preconditioner, StepEngine
 from kaisoku.engine.trainer import Trainer, TrainSettings, steps_for
 from kaisoku.errors import KaisokuError
-from kaisoku.memory.compress import ActivationCompressor
 from kaisoku.models.zoo import build_model
 from kaisoku.optim.factory import build_optimizer, build_optimizer_from_named, build_scheduler
 
@@ -58,6 +57,8 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
         dp_index, _ = rank_coordinates(world.rank, schedule.layout_at(0), world.local_world_size)
         shard = (dp_index, schedule.layout_at(0).dp)
     data = build_data(cfg, world, device, shard=shard)
+    # One sample's input shape: (C, H, W) images, or (C, D, D, D) volumes for a regression set.
+    sample_shape = data.sample_shape or (data.in_channels, cfg.data.image_size, cfg.data.image_size)
     model = build_model(
         cfg.model.name,
         num_classes=cfg.model.num_classes or data.num_classes,
@@ -65,15 +66,36 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
         zero_init_residual=cfg.model.zero_init_residual,
         bn_momentum=cfg.model.bn_momentum,
         in_channels=data.in_channels,
+        size=sample_shape[-1],
+        width=cfg.model.width,
     ).to(device)
     # Pipeline stages send plain contiguous activations: channels-last only on the DDP path.
     channels_last = device.type == "cuda" and not hybrid
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    if cfg.memory.recompute != "none":
-        from kaisoku.memory.checkpointing import apply_recompute
+    precision = Precision(cfg.precision.mode, device)
+    if cfg.precision.mode.endswith("-stats"):
+        from kaisoku.precision import apply_precision
 
-        apply_recompute(model, cfg.memory.recompute, cfg.memory.blocks)
+        precision.monitor = apply_precision(
+            model, cfg.precision, device, announce=print if world.is_main else None, seed=cfg.train.seed
+        )
+    memory_setup = None
+    if not hybrid:
+        from kaisoku.memory.profile import setup_memory
+
+        # Global recompute / compress / offload, or the per-block plan of memory.budget / policy.
+        memory_setup = setup_memory(
+            model,
+            cfg.memory,
+            device=device,
+            input_shape=(
+                max(1, cfg.data.global_batch // world.world_size // cfg.train.grad_accum),
+                *sample_shape,
+            ),
+            num_classes=cfg.model.num_classes or data.num_classes,
+            autocast=precision.autocast,
+        )
     # Under hybrid parallelism each rank's optimizer covers its stage only; the engine builds it.
     optimizer = None if hybrid else build_optimizer(model, cfg.optim)
     build_seconds = time.perf_counter() - build_start
@@ -94,9 +116,13 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
     make_scheduler = functools.partial(
         build_scheduler, cfg=cfg.sched, steps_per_epoch=steps_per_epoch, total_steps=horizon
     )
-    precision = Precision(cfg.train.precision, device)
     guard = NonFiniteGuard(model, device, every_step=cfg.train.on_nonfinite == "skip")
-    loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
+    # The dataset's task decides the loss: mean squared error for regression targets.
+    loss_fn: torch.nn.Module = (
+        torch.nn.MSELoss()
+        if data.task == "regression"
+        else torch.nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
+    )
     engine: StepEngine
     if hybrid:
         engine = HybridStep(
@@ -116,7 +142,7 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
             precision=precision,
             ranks_per_node=world.local_world_size,
             global_batch=cfg.data.global_batch,
-            input_shape=(data.in_channels, cfg.data.image_size, cfg.data.image_size),
+            input_shape=sample_shape,
         )
     else:
         assert optimizer is not None
@@ -162,7 +188,7 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
             preconditioner=_build_kfac(cfg, model, optimizer, precision, group),
             guard=guard,
             update_in_backward=cfg.memory.update_in_backward,
-            activations=ActivationCompressor(cfg.memory.compress) if cfg.memory.compress != "none" else None,
+            activations=memory_setup.activations if memory_setup is not None else None,
         )
     run_dir = Path(cfg.run_dir).expanduser()
     metrics = MetricsLogger(
@@ -192,6 +218,7 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
             max_skips=cfg.train.max_skips,
             rollback_lr_scale=cfg.train.rollback_lr_scale,
             max_rollbacks=cfg.train.max_rollbacks,
+            task=data.task,
         ),
         world=world,
         device=device,
@@ -212,6 +239,9 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
             **({"parallel": str(schedule)} if hybrid else {}),
         }
     )
+    if memory_setup is not None and memory_setup.plan is not None:
+        metrics.log(memory_setup.record())
+        metrics.message(memory_setup.message())
     if resume:
         _resume(trainer, resume)
     return trainer
@@ -357,6 +387,8 @@ def run_training(cfg: Config, *, customize: Callable[[Trainer], None] | None = N
             close()
         if world.is_main:
             print_summary(summary)
+            if trainer.precision.monitor is not None:
+                trainer.precision.monitor.print_table()
             print(finish_line(summary, run_dir), flush=True)
             if not launched:
                 failures.mark_run(run_dir, status="completed", ended=time.time())

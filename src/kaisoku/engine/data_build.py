@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
@@ -16,6 +17,7 @@ from kaisoku.data.counters import LoaderCounters
 from kaisoku.data.datagen import ensure_demo_dataset
 from kaisoku.data.dataset import ImageLabelTransform, ShardedDataset
 from kaisoku.data.folder import FolderSampler, ImageFolderDataset, ShardedEvalSampler, split_train_val
+from kaisoku.data.format import Index, read_index
 from kaisoku.data.loader import ShardLoader, label_count, packed_splits
 from kaisoku.data.sampler import KeyedMicroBatches
 from kaisoku.data.shuffle import ShuffleSpec
@@ -25,9 +27,14 @@ from kaisoku.errors import ConfigError
 
 
 def dataset_root(cfg: Config) -> Path:
-    """The dataset folder: ``data.path``, or the demo set generated on first use."""
+    """The dataset folder: ``data.path``, or the demo set generated on first use (shapes; universes for
+    ``cosmoflow``)."""
     if cfg.data.path:
         return Path(cfg.data.path).expanduser()
+    if cfg.model.name == "cosmoflow":  # the generated universe set, at data.image_size cubed
+        from kaisoku.data.cosmo import ensure_cosmo_dataset
+
+        return ensure_cosmo_dataset(cfg.data.cache_dir, size=cfg.data.image_size)
     return ensure_demo_dataset(cfg.data.cache_dir)
 
 
@@ -56,6 +63,10 @@ class DataParts:
     in_channels: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    task: str = "classification"
+    """``classification`` (int labels, images) or ``regression`` (float targets, volumes)."""
+    sample_shape: tuple[int, ...] = ()
+    """The shape of one input sample, without the batch: ``(C, D, D, D)`` for volumes, () for images."""
 
 
 def build_data(
@@ -107,6 +118,8 @@ def build_data(
             std=IMAGENET_STD,
         )
     train_dir, val_dir = packed
+    if read_index(train_dir).task == "regression":
+        return _volume_data(cfg, world, device, train_dir, val_dir, shard, val_sampler_args)
     train_set = ShardedDataset(
         train_dir,
         transform=ImageLabelTransform(spec=train_spec, seed=cfg.train.seed, crop_decode=cfg.data.crop_decode),
@@ -133,6 +146,98 @@ def build_data(
         mean=mean,
         std=std,
     )
+
+
+def _volume_data(
+    cfg: Config,
+    world: env.World,
+    device: torch.device,
+    train_dir: Path,
+    val_dir: Path | None,
+    shard: tuple[int, int] | None,
+    val_sampler_args: dict[str, int],
+) -> DataParts:
+    """Loaders of a regression set of volumes: log1p volumes (flipped for training) and float targets."""
+    from kaisoku.data.cosmo import VolumeTargetTransform
+
+    train_set = ShardedDataset(
+        train_dir,
+        transform=VolumeTargetTransform(
+            seed=cfg.train.seed, train=True, target_field=str(read_index(train_dir).target)
+        ),
+        skip_corrupt=cfg.data.skip_corrupt,
+    )
+    volume = volume_field(train_set.index)
+    loader = shard_loader(cfg, world, device, train_set, shard=shard)
+    val_loader = None
+    if val_dir is not None:
+        val_set = ShardedDataset(
+            val_dir,
+            transform=VolumeTargetTransform(
+                seed=cfg.train.seed, train=False, target_field=str(train_set.index.target)
+            ),
+            skip_corrupt=cfg.data.skip_corrupt,
+        )
+        sampler = ShardedEvalSampler(len(val_set), **val_sampler_args)
+        val_loader = _loader(val_set, sampler, cfg.data.workers, device)
+    target = train_set.index.field(str(train_set.index.target))
+    return DataParts(
+        train_loader=loader,
+        train_sampler=loader,
+        val_loader=val_loader,
+        num_classes=int(np.prod(target.shape or (1,))),
+        in_channels=int(volume[0]),
+        mean=(),
+        std=(),
+        task="regression",
+        sample_shape=volume,
+    )
+
+
+def volume_field(index: Index) -> tuple[int, ...]:
+    """The ``(C, D, D, D)`` shape of a volume set's input field ``x``; a clear error for anything else."""
+    for field in index.fields:
+        if field.name != index.target and field.kind == "array" and field.shape and len(field.shape) == 4:
+            return tuple(int(d) for d in field.shape)
+    shapes = ", ".join(f"{f.name} {list(f.shape or [])}" for f in index.fields)
+    raise ConfigError(
+        f"{index.root} is a regression set without a volume field [C, D, D, D] (fields: {shapes}); "
+        "generate one with kaisoku datagen DIR --kind cosmo"
+    )
+
+
+def data_conflict(cfg: Config) -> str | None:
+    """Why ``cfg``'s dataset does not fit its model or loss (one line naming both sides), else None.
+
+    Reads only the packed index (no shards), so ``kaisoku train`` can say it before any rank starts.
+    """
+    volumetric = cfg.model.name == "cosmoflow"
+    path = Path(cfg.data.path).expanduser() if cfg.data.path else None
+    packed = packed_splits(path) if path is not None and path.exists() else None
+    if path is not None and packed is not None:
+        index = read_index(packed[0])
+        task = index.task or "classification"
+        shape = next((list(f.shape or []) for f in index.fields if f.name in ("x", "image")), [])
+        what = f"data.path {path} holds {'volumes' if task == 'regression' else 'images'} {shape} ({task})"
+    elif path is None and volumetric:
+        task, what = "regression", "the generated universe set"
+    else:
+        task = "classification"
+        what = f"data.path {path or '(the generated shapes set)'} holds 2D images (classification)"
+    if volumetric and task != "regression":
+        return (
+            f"model.name cosmoflow takes volumes [4, D, D, D] with regression targets, but {what}; "
+            "generate a volume set with kaisoku datagen DIR --kind cosmo and pack it"
+        )
+    if not volumetric and task == "regression":
+        return f"{what}, but model.name {cfg.model.name} is a 2D image classifier; use --model.name cosmoflow"
+    loss = cfg.train.loss
+    if loss != "auto" and (loss == "mse") != (task == "regression"):
+        return f"train.loss {loss} does not fit {what}; use train.loss auto"
+    if task == "regression" and cfg.train.label_smoothing > 0:
+        smoothing = cfg.train.label_smoothing
+        return f"train.label_smoothing {smoothing} is for classification, but {what}; set it to 0"
+    return None
 
 
 def shard_loader(

@@ -13,13 +13,38 @@ from typing import Any
 
 import torch
 
+_RUN_PEAK_MIB = [0.0]  # the highest interval peak so far (interval peaks reset the counters)
+
 
 def peak_memory_mib(device: torch.device) -> float:
     """Peak memory of this process: CUDA max allocated on a GPU, else the resident-set high-water mark."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    # ru_maxrss is in KiB on Linux.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return max(_RUN_PEAK_MIB[0], torch.cuda.max_memory_allocated(device) / 2**20)
+    # ru_maxrss is in KiB on Linux (never reset, unlike VmHWM).
+    return max(_RUN_PEAK_MIB[0], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def interval_peak_memory_mib(device: torch.device) -> float:
+    """Peak memory since the previous call (one log interval), then the peak is reset.
+
+    CUDA: ``max_memory_allocated`` and ``reset_peak_memory_stats``. CPU on Linux: ``VmHWM`` and
+    ``/proc/self/clear_refs`` 5 (the peak restarts at the current resident set); where that is not
+    allowed, the process's peak so far (``ru_maxrss``).
+    """
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        from kaisoku.errors import KaisokuError
+        from kaisoku.memory.measure import read_peak_bytes, reset_peak
+
+        try:
+            peak = read_peak_bytes() / 2**20
+            reset_peak()
+        except (OSError, KaisokuError):  # no procfs, or clear_refs not permitted
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    _RUN_PEAK_MIB[0] = max(_RUN_PEAK_MIB[0], peak)
+    return peak
 
 
 class MetricsLogger:

@@ -160,7 +160,8 @@ pre{{background:#f6f6f6;padding:1em;overflow:auto}}</style></head><body>
 
 
 def finish_line(summary: dict[str, Any], run_dir: Path) -> str:
-    """The last line of a finished run: steps, accuracy, skipped records, and the report's path.
+    """The last line of a finished run: steps, accuracy, skipped records, and the report's path (after a
+    one-line data hint where :func:`data_hint` has one).
 
     The report is written here; without matplotlib the line says how to get it.
     """
@@ -177,4 +178,30 @@ def finish_line(summary: dict[str, Any], run_dir: Path) -> str:
         parts.append(f"report {write_report(run_dir)}")
     except KaisokuError as error:
         parts.append(str(error))
-    return "; ".join(parts)
+    hint = data_hint(run_dir)  # its own line, before the finish line (which stays last)
+    return (f"{hint}\n" if hint else "") + "; ".join(parts)
+
+
+def data_hint(run_dir: Path) -> str | None:
+    """``kaisoku plan``'s one-line hint from the run's mean data-wait fraction and its data settings: only
+    for a packed dataset on a network or FUSE mount (image folders get the loader's pack hint)."""
+    import tomllib
+
+    from kaisoku.data.folder import is_slow_mount, mount_type
+    from kaisoku.plan_model import strategy_hint
+
+    waits = series(read_metrics(run_dir), "data_wait_fraction")[1][1:]  # the first window holds start-up
+    config_file = run_dir / "config.toml"
+    if not waits or not config_file.exists():
+        return None
+    data = tomllib.loads(config_file.read_text()).get("data", {})
+    path = Path(str(data.get("path") or "")).expanduser()
+    if not data.get("path") or not (path / "index.json").exists() or not is_slow_mount(mount_type(path)):
+        return None  # image folders have their own pack hint; a local source is not the I/O model's case
+    return strategy_hint(
+        sum(waits) / len(waits),
+        staged=True,
+        shuffle=str(data.get("shuffle", "global")),
+        exchange=float(data.get("exchange", 0.0)),
+        local_cache=bool(data.get("local_cache")),
+    )

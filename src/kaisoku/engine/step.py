@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -24,27 +24,42 @@ from kaisoku.errors import KaisokuError
 from kaisoku.memory.compress import ActivationCompressor
 from kaisoku.models.blocks import state_names
 
+if TYPE_CHECKING:
+    from kaisoku.precision.stats import PrecisionMonitor
+
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
 #: Cross-entropy (or another loss) of logits against targets.
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Precision:
-    """Autocast and the gradient scaler for ``precision`` (fp32, bf16 or fp16) on ``device``."""
+    """How numbers are carried for ``mode`` (``precision.mode``) on ``device``: autocast and the gradient
+    scaler for fp32, bf16 and fp16; for the ``*-stats`` modes the layers quantize themselves
+    (:func:`kaisoku.precision.apply_precision`) and :attr:`monitor` holds their per-layer statistics."""
 
-    def __init__(self, precision: str, device: torch.device) -> None:
-        if precision == "fp16" and device.type != "cuda":
-            raise KaisokuError("train.precision fp16 needs CUDA; use bf16 on the CPU")
+    def __init__(self, mode: str, device: torch.device) -> None:
+        from kaisoku.precision import mode_conflict
+
+        conflict = mode_conflict(mode, device.type)
+        if conflict:
+            raise KaisokuError(conflict)
+        self.mode = mode
         self.device = device
-        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
         # fp16 gradients underflow without loss scaling; bf16 has fp32's exponent range and needs none.
-        self.scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
+        self.scaler = torch.amp.GradScaler("cuda", enabled=mode == "fp16")
+        self.monitor: PrecisionMonitor | None = None
+        """The quantized layers' statistics under a ``*-stats`` mode (set where the model is built)."""
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """The autocast context for a forward pass (a no-op in fp32)."""
+        """The autocast context for a forward pass (a no-op in fp32 and the ``*-stats`` modes)."""
         if self.dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def layer_stats(self) -> dict[str, Any]:
+        """Per-layer exponent, overflow rate and underflow fraction since the last call ({} without any)."""
+        return self.monitor.window() if self.monitor is not None else {}
 
 
 class Preconditioner(Protocol):

@@ -22,7 +22,7 @@ from kaisoku.engine.divergence import (
     scale_learning_rate,
     weights_finite,
 )
-from kaisoku.engine.metrics import MetricsLogger, peak_memory_mib
+from kaisoku.engine.metrics import MetricsLogger, interval_peak_memory_mib, peak_memory_mib
 from kaisoku.engine.step import MicroBatches, Precision, StepEngine
 from kaisoku.errors import KaisokuError
 
@@ -72,6 +72,9 @@ class TrainSettings:
     """rollback: learning-rate factor per rollback."""
     max_rollbacks: int = 3
     """rollback: rollbacks that stop the run."""
+    task: str = "classification"
+    """classification (normalised uint8 images, accuracy) or regression (float inputs as the loader gives
+    them, mean absolute error per target)."""
 
 
 @dataclass
@@ -287,6 +290,8 @@ class Trainer:
     def _prepare(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         images = images.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
+        if self.settings.task == "regression":
+            return images, labels  # volumes arrive as float (log1p in the loader)
         images = normalize(images, self.settings.mean, self.settings.std)
         if self.settings.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
@@ -324,6 +329,8 @@ class Trainer:
             return {}
         model = self.engine.eval_model()
         model.eval()
+        if self.settings.task == "regression":
+            return self._validate_regression(model)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         correct = torch.zeros((), dtype=torch.float64, device=self.device)
         seen = 0
@@ -341,6 +348,30 @@ class Trainer:
             "val_loss": totals[0] / count,
             "val_accuracy": totals[1] / count,
             "val_samples": int(totals[2]),
+        }
+
+    def _validate_regression(self, model: nn.Module) -> dict[str, float]:
+        """Mean squared error (``val_loss``) and mean absolute error, overall and per target."""
+        sums: torch.Tensor | None = None
+        seen = 0
+        for inputs, targets in self.val_loader or ():
+            inputs, targets = self._prepare(inputs, targets)
+            with self.precision.autocast():
+                predicted = model(inputs).float()
+            error = predicted - targets.float()
+            batch = torch.cat([(error**2).mean(dim=1).sum().view(1), error.abs().sum(dim=0)]).double()
+            sums = batch if sums is None else sums + batch
+            seen += targets.shape[0]
+        values = [float(v) for v in sums.tolist()] if sums is not None else []
+        totals = env.all_reduce_sum([*values, float(seen)], self.device)
+        model.train()
+        count = max(totals[-1], 1.0)
+        per_target = [v / count for v in totals[1:-1]]
+        return {
+            "val_loss": totals[0] / count if values else float("nan"),
+            "val_mae": sum(per_target) / max(len(per_target), 1),
+            **{f"val_mae_{k}": v for k, v in enumerate(per_target)},
+            "val_samples": int(totals[-1]),
         }
 
     # ------------------------------------------------------------------------------------------------
@@ -405,10 +436,19 @@ class Trainer:
                         "lr": self.engine.optimizer.param_groups[0]["lr"],
                         "samples_per_s": rate,
                         "data_wait_fraction": window_wait / max(elapsed, 1e-9),
-                        "peak_memory_mib": peak_memory_mib(self.device),
+                        "peak_memory_mib": interval_peak_memory_mib(self.device),
                     }
                 )
                 self.metrics.advance(self.state.step, loss=self.last_loss, rate=rate)
+                if self.precision.monitor is not None and self.metrics.enabled:
+                    # Per-layer exponent, overflow rate and underflow fraction of the window (*-stats modes).
+                    self.metrics.log(
+                        {
+                            "step": self.state.step,
+                            "event": "precision",
+                            "layers": self.precision.layer_stats(),
+                        }
+                    )
                 running_loss.zero_()
                 window_steps, window_wait = 0, 0.0
                 window_start, self._paused = time.perf_counter(), 0.0
@@ -448,6 +488,14 @@ class Trainer:
             extra["skipped_steps"] = self.guard.skipped
         if self.settings.on_nonfinite == "rollback":
             extra["rollbacks"] = self.rollbacks
+        if self.precision.monitor is not None:
+            self.metrics.log(
+                {
+                    "step": self.state.step,
+                    "event": "precision_summary",
+                    "layers": self.precision.monitor.totals(),
+                }
+            )
         return {
             "steps": self.state.step,
             "epochs": self.state.step / self.train_sampler.steps_per_epoch,
@@ -488,9 +536,14 @@ class Trainer:
                     **val,
                 }
             )
+            score = (
+                f"MAE {val['val_mae']:.4f}"
+                if "val_mae" in val
+                else f"accuracy {100 * val['val_accuracy']:.2f}%"
+            )
             self.metrics.message(
                 f"step {self.state.step}: val loss {val['val_loss']:.4f}, "
-                f"accuracy {100 * val['val_accuracy']:.2f}% ({time.perf_counter() - start:.1f} s)"
+                f"{score} ({time.perf_counter() - start:.1f} s)"
             )
         return val
 

@@ -156,17 +156,76 @@ def apply_recompute(model: nn.Module, mode: RecomputeMode, blocks: str = "") -> 
         return []
     parts = ordered_blocks(model)
     chosen = parse_block_list(blocks, len(parts))
-    runners: list[Callable[[torch.Tensor], torch.Tensor]] = [
-        CheckpointedBlock(part, mode) if index in chosen else part for index, part in enumerate(parts)
-    ]
+    _install(model, [CheckpointedBlock(part, mode) if i in chosen else part for i, part in enumerate(parts)])
+    return chosen
+
+
+class HookedBlock(nn.Module):
+    """``block`` run inside the saved-tensors hooks that ``saving()`` returns (compression, offload)."""
+
+    def __init__(
+        self, block: nn.Module, saving: Callable[[], contextlib.AbstractContextManager[Any]]
+    ) -> None:
+        super().__init__()
+        self.block = block
+        self.saving = saving
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output; what it saves for backward goes through the hooks while training."""
+        if not (self.training and torch.is_grad_enabled()):
+            return self.block(x)
+        with self.saving():
+            return self.block(x)
+
+
+def apply_techniques(
+    model: nn.Module,
+    techniques: Sequence[str],
+    *,
+    compress: str = "bf16",
+    offload: Any = None,
+) -> None:
+    """Run each ordered block of ``model`` with its technique: keep, compress, recompute or offload.
+
+    ``compress``: the mode of compressed blocks (bf16 or int8, one
+    :class:`~kaisoku.memory.compress.ActivationCompressor` each); ``offload``: a
+    :mod:`kaisoku.memory.offload` store (its ``hooks()`` per block, its ``begin()`` once per step).
+    """
+    from kaisoku.memory.compress import ActivationCompressor
+
+    parts = ordered_blocks(model)
+    if len(techniques) != len(parts):
+        raise ConfigError(f"a memory plan for {len(techniques)} blocks given to a model of {len(parts)}")
+    if "offload" in techniques and offload is None:
+        raise ConfigError("a memory plan offloads a block but no offload is set up (memory.offload_dir)")
+    runners: list[Callable[[torch.Tensor], torch.Tensor]] = []
+    for part, technique in zip(parts, techniques):
+        if technique == "recompute":
+            runners.append(CheckpointedBlock(part, "blocks"))
+        elif technique == "compress":
+            runners.append(HookedBlock(part, ActivationCompressor(compress).step))  # type: ignore[arg-type]
+        elif technique == "offload":
+            runners.append(HookedBlock(part, offload.hooks))
+        else:
+            runners.append(part)
+    _install(model, runners, before=offload.begin if "offload" in techniques else None)
+
+
+def _install(
+    model: nn.Module,
+    runners: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+    before: Callable[[], None] | None = None,
+) -> None:
+    """Replace ``model.forward`` with ``runners`` applied in turn (``before()`` first when training)."""
 
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if before is not None and self.training and torch.is_grad_enabled():
+            before()
         for runner in runners:
-            if isinstance(runner, CheckpointedBlock):
+            if isinstance(runner, (CheckpointedBlock, HookedBlock)):
                 runner.train(self.training)  # the wrapper is not a submodule: follow the model's mode
             x = runner(x)
         return x
 
     # Not a submodule: the wrappers hold the model's own tensors, and state_dict names stay unchanged.
     model.forward = types.MethodType(forward, model)  # type: ignore[method-assign]
-    return chosen

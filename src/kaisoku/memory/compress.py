@@ -15,18 +15,17 @@ exact: the tests and ``kaisoku bench memory`` state the tolerance.
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from kaisoku.precision.scaler import HISTORY, AmaxHistory
+
 CompressMode = Literal["none", "bf16", "int8"]
 """What ``memory.compress`` does with saved activations."""
 
-#: Steps of absolute-maximum history an int8 scale is taken from.
-HISTORY = 16
 #: Tensors smaller than this are not worth a conversion.
 MIN_ELEMENTS = 4096
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -46,7 +45,7 @@ class ActivationCompressor:
 
     def __init__(self, mode: CompressMode) -> None:
         self.mode = mode
-        self._history: dict[int, deque[torch.Tensor]] = {}
+        self._history: dict[int, AmaxHistory] = {}
         self._position = 0
 
     def _pack(self, tensor: torch.Tensor) -> Any:
@@ -56,9 +55,9 @@ class ActivationCompressor:
             return ("bf16", tensor.dtype, tensor.to(torch.bfloat16))
         position = self._position
         self._position += 1
-        history = self._history.setdefault(position, deque(maxlen=HISTORY))
+        history = self._history.setdefault(position, AmaxHistory(HISTORY))
         amax = tensor.detach().abs().amax().float()
-        reference = torch.stack(list(history)).amax() if history else amax
+        reference = history.reference(amax)
         history.append(amax)
         scale = torch.clamp(reference, min=1e-12) / 127.0
         quantized = torch.clamp(torch.round(tensor.detach() / scale.to(tensor.dtype)), -127, 127).to(

@@ -96,7 +96,7 @@ def in_backward_conflict(
         (hybrid, "hybrid parallelism (parallel.pp > 1 or parallel.switch)"),
         (
             precision == "fp16",
-            "train.precision fp16 (its gradient scaler decides after backward whether to step)",
+            "precision.mode fp16 (its gradient scaler decides after backward whether to step)",
         ),
         (on_nonfinite == "skip", "train.on_nonfinite skip (it decides after backward whether to step)"),
         (compile_mode in ("optimizer", "all", "auto") or compile_optimizer, "a compiled optimizer step"),

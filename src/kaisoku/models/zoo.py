@@ -9,6 +9,7 @@ from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
 from kaisoku.errors import ConfigError
+from kaisoku.models.vit import VITS, build_vit
 
 _RESNETS: dict[str, tuple[type[BasicBlock] | type[Bottleneck], list[int]]] = {
     "resnet10": (BasicBlock, [1, 1, 1, 1]),
@@ -103,12 +104,24 @@ def build_model(
     zero_init_residual: bool = True,
     bn_momentum: float = 0.1,
     in_channels: int = 3,
+    size: int = 0,
+    width: int = 0,
 ) -> nn.Module:
-    """Build model ``name``; an unknown name is a ConfigError listing the choices."""
+    """Build model ``name``; an unknown name is a ConfigError listing the choices.
+
+    ``size``: the volume side for ``cosmoflow`` (0: the reference's 128), whose ``num_classes`` is the
+    number of regression targets (``width``: its first block's channels, 0: 32); the image side for the vision transformers (0: vit-tiny's 32, vit-b16's 224).
+    """
     if name == "small-cnn":
         return SmallCNN(num_classes=num_classes, in_channels=in_channels)
+    if name == "cosmoflow":
+        from kaisoku.models.cosmoflow import CosmoFlow
+
+        return CosmoFlow(size=size or 128, in_channels=in_channels, outputs=num_classes, width=width or 32)
+    if name in VITS:
+        return build_vit(name, num_classes=num_classes, image_size=size or None, in_channels=in_channels)
     if name not in MODELS:
-        choices = ", ".join([*MODELS, "small-cnn"])
+        choices = ", ".join([*MODELS, "small-cnn", "cosmoflow", *VITS])
         raise ConfigError(f"model.name: unknown model '{name}'; choose one of: {choices}")
     return MODELS[name](
         num_classes=num_classes,

@@ -32,6 +32,15 @@ ExcludeT: TypeAlias = Sequence[str] | Callable[[str, Tensor], bool]
 OptimizerBuilder: TypeAlias = Callable[[list[dict[str, Any]], OptimConfig], Optimizer]
 """``builder(param_groups, cfg) -> Optimizer``."""
 
+#: Last name components of learned embeddings kept out of weight decay with ``no_decay_bn_bias``: a vision
+#: transformer's class token and position embedding (torchvision's names, and timm's).
+EMBEDDING_NAMES: frozenset[str] = frozenset({"class_token", "pos_embedding", "cls_token", "pos_embed"})
+
+
+def is_embedding(name: str) -> bool:
+    """Whether parameter ``name`` (any prefix: ``module.``, a stage's) is a learned embedding of :data:`EMBEDDING_NAMES`."""
+    return name.rsplit(".", 1)[-1] in EMBEDDING_NAMES
+
 
 def _excluder(exclude: ExcludeT) -> Callable[[str, Tensor], bool]:
     if callable(exclude):
@@ -45,8 +54,9 @@ def param_groups(
 ) -> list[dict[str, Any]]:
     """Split the model's trainable parameters into a decayed group and a no-decay group.
 
-    With ``no_decay_bn_bias`` every parameter with ``ndim <= 1`` (BatchNorm weights, biases) goes to the
-    no-decay group, as does every parameter matched by ``exclude`` (``fnmatch`` patterns over names such
+    With ``no_decay_bn_bias`` every parameter with ``ndim <= 1`` (BatchNorm and LayerNorm weights, biases)
+    and every learned embedding (:func:`is_embedding`: a ViT's class token and position embedding) goes to
+    the no-decay group, as does every parameter matched by ``exclude`` (``fnmatch`` patterns over names such
     as ``"fc.*"``, or a predicate ``fn(name, param)``). The no-decay group has ``weight_decay=0`` and
     ``lars_exclude=True`` (no LARS/LAMB trust ratio); the other has ``lars_exclude=False``. Parameters are
     given as ``(name, tensor)`` pairs, so each group carries ``param_names``. Empty groups are left out and
@@ -74,7 +84,7 @@ def named_param_groups(
     for name, param in named_params:
         if not param.requires_grad:
             continue
-        skip = (no_decay_bn_bias and param.ndim <= 1) or excluded_by_user(name, param)
+        skip = (no_decay_bn_bias and (param.ndim <= 1 or is_embedding(name))) or excluded_by_user(name, param)
         (no_decay if skip else decay).append((name, param))
     groups = []
     if decay:
@@ -202,6 +212,11 @@ def check_sched_config(cfg: SchedConfig, *, steps_per_epoch: int, total_steps: i
         (cfg.poly_power > 0, f"sched.poly_power must be > 0 (got {cfg.poly_power})"),
         (cfg.step_gamma > 0, f"sched.step_gamma must be > 0 (got {cfg.step_gamma})"),
         (
+            not cfg.step_factors or len(cfg.step_factors) == len(cfg.step_milestones),
+            f"sched.step_factors has {len(cfg.step_factors)} values for {len(cfg.step_milestones)} "
+            "sched.step_milestones; give one per milestone",
+        ),
+        (
             all(0 < m <= 1 for m in cfg.step_milestones),
             f"sched.step_milestones must be fractions of the run in (0, 1] (got {list(cfg.step_milestones)})",
         ),
@@ -231,5 +246,6 @@ def build_scheduler(
         poly_power=cfg.poly_power,
         step_milestones=cfg.step_milestones,
         step_gamma=cfg.step_gamma,
+        step_factors=cfg.step_factors,
     )
     return WarmupSchedule(optimizer, factor)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from typing import Literal, NamedTuple
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -107,7 +108,7 @@ def large_batch(
     steps_per_epoch: int,
     base_batch: int = 256,
     lr_scaling: Literal["linear", "sqrt"] = "sqrt",
-    optimizer: Literal["lars", "lamb"] = "lars",
+    optimizer: Literal["lars", "lamb", "adamw"] = "lars",
     momentum: float = 0.9,
     weight_decay: float = 5e-5,
     eta: float | None = None,
@@ -125,7 +126,9 @@ def large_batch(
       ``k = batch / base_batch``;
     - two parameter groups: weights (``ndim > 1``) with ``weight_decay`` and the trust ratio, BatchNorm
       parameters and biases with neither;
-    - LARS with ``eta`` (default :func:`lars_eta` of the model's size) or LAMB;
+    - LARS with ``eta`` (default :func:`lars_eta` of the model's size), LAMB, or AdamW (the ViT recipe:
+      ``optimizer="adamw", schedule="cosine", zero_init_residual=False``; a ViT's class token and
+      position embedding join the no-decay group);
     - ``warmup_epochs`` (default :func:`default_warmup_epochs`) of linear warmup, then ``schedule``
       (polynomial decay of power ``poly_power`` by default) over ``epochs * steps_per_epoch`` steps;
     - cross-entropy with ``label_smoothing``;
@@ -143,7 +146,10 @@ def large_batch(
         (epochs > 0, f"large_batch: epochs must be > 0 (got {epochs})"),
         (steps_per_epoch >= 1, f"large_batch: steps_per_epoch must be >= 1 (got {steps_per_epoch})"),
         (lr_scaling in ("linear", "sqrt"), f"large_batch: lr_scaling is linear or sqrt (got {lr_scaling!r})"),
-        (optimizer in ("lars", "lamb"), f"large_batch: optimizer is lars or lamb (got {optimizer!r})"),
+        (
+            optimizer in ("lars", "lamb", "adamw"),
+            f"large_batch: optimizer is lars, lamb or adamw (got {optimizer!r})",
+        ),
         (0 <= label_smoothing < 1, f"large_batch: label_smoothing must be in [0, 1) (got {label_smoothing})"),
     ]
     for ok, message in checks:
@@ -167,8 +173,10 @@ def large_batch(
             trust_clip=trust_clip,
             compile=compile,
         )
-    else:
+    elif optimizer == "lamb":
         opt = LAMB(groups, lr=lr, betas=(momentum, 0.999), weight_decay=weight_decay, compile=compile)
+    else:
+        opt = torch.optim.AdamW(groups, lr=lr, betas=(momentum, 0.999), weight_decay=weight_decay)
     total = max(1, round(epochs * steps_per_epoch))
     warmup = default_warmup_epochs(batch, base_batch, epochs) if warmup_epochs is None else warmup_epochs
     warmup_steps = min(round(warmup * steps_per_epoch), total - 1)

@@ -83,14 +83,18 @@ class Arccot:
 
 @dataclass
 class Step:
-    """Multiply by ``gamma`` at each milestone (in steps)."""
+    """Multiply by ``gamma`` at each milestone (in steps), or use ``factors[i]`` from milestone ``i`` on."""
 
     milestones: list[int] = field(default_factory=list)
     gamma: float = 0.1
+    factors: list[float] = field(default_factory=list)
 
     def __call__(self, step: int) -> float:
         """Multiplier of the peak learning rate at ``step``."""
-        return self.gamma ** sum(step >= milestone for milestone in self.milestones)
+        passed = sum(step >= milestone for milestone in self.milestones)
+        if self.factors:
+            return self.factors[passed - 1] if passed else 1.0
+        return self.gamma**passed
 
 
 @dataclass
@@ -156,6 +160,7 @@ def schedule_factor(
     poly_power: float = 2.0,
     step_milestones: Sequence[float] = (0.5, 0.75),
     step_gamma: float = 0.1,
+    step_factors: Sequence[float] = (),
 ) -> Warmup:
     """The multiplier of schedule ``name`` (constant, cosine, arccot, poly, step) behind a linear warmup.
 
@@ -176,7 +181,16 @@ def schedule_factor(
     elif name == "arccot":
         after = Arccot(total=total_steps, center=arccot_center, slope=arccot_slope)
     elif name == "step":
-        after = Step(milestones=[round(m * total_steps) for m in step_milestones], gamma=step_gamma)
+        if step_factors and len(step_factors) != len(step_milestones):
+            raise ValueError(
+                f"sched.step_factors has {len(step_factors)} values for {len(step_milestones)} milestones; "
+                "give one per milestone"
+            )
+        after = Step(
+            milestones=[round(m * total_steps) for m in step_milestones],
+            gamma=step_gamma,
+            factors=list(step_factors),
+        )
     else:
         raise ValueError(f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}")
     return Warmup(after=after, steps=warmup_steps)

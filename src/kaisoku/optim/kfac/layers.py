@@ -474,6 +474,10 @@ def classify(module: nn.Module, bn_mode: str) -> tuple[type[KFACLayer] | None, s
     A reason of ``None`` with no class means "nothing to precondition, say nothing" (no trainable
     parameters of its own, or BatchNorm with ``bn="skip"``).
     """
+    if isinstance(module, nn.MultiheadAttention):
+        # Its in-projection (in_proj_weight) and out_proj run inside F.multi_head_attention_forward: no
+        # module call to hook, so the whole attention (out_proj included) is left to the base optimizer.
+        return None, "MultiheadAttention: in- and out-projection run inside F.multi_head_attention_forward"
     own = [p for p in module.parameters(recurse=False) if p.requires_grad]
     if not own:
         return None, None

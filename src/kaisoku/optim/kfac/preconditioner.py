@@ -179,9 +179,14 @@ class KFAC:
         skip = set(skip_layers)
         self.layers: dict[str, KFACLayer] = {}
         skipped: list[str] = []
+        opaque: list[str] = []  # modules whose sub-layers are never called as modules (attention)
         for name, module in inner.named_modules():
             if name in skip or type(module).__name__ in skip:
                 continue
+            if any(not prefix or name.startswith(prefix + ".") for prefix in opaque):
+                continue
+            if isinstance(module, nn.MultiheadAttention):
+                opaque.append(name)
             layer_class, reason = classify(module, bn)
             if layer_class is None:
                 if reason is not None:

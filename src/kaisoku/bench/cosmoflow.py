@@ -1,0 +1,244 @@
+"""``kaisoku bench cosmoflow``: CosmoFlow on generated universes, the codecs' ratios and loader rates.
+
+1. Generates the universe set (:mod:`kaisoku.data.cosmo`): 1,024 training and 128 validation volumes of
+   32³ (``--quick``: 64 and 16 of 16³), int16 ``[4, D, D, D]``.
+2. Packs it four times with ``kaisoku pack``'s engine: raw, zstd, lossless ``delta`` and error-bounded
+   ``delta@1`` (every count within 1 of the original); ratios are byte counts of the packed sets.
+3. Loader rate per codec: the training loader ``kaisoku train`` builds
+   (:func:`kaisoku.engine.data_build.build_data`: shuffle, decode in the preset's worker threads, log1p into
+   reused float buffers) iterated for a whole epoch, codecs interleaved round by round, median of 3;
+   compared with the raw (uncompressed) pack.
+4. Trains the ``cosmoflow-cpu`` preset on the zstd pack with ``kaisoku train``'s launcher on 2 ranks
+   (``--quick``: 1 rank, a few steps) and reads the final validation MAE from its ``metrics.jsonl``.
+5. The lossy gap: the trained model's validation MAE on the ``delta@1`` pack minus that on the lossless
+   pack (the same samples; the bound's effect on what the model sees, without a second training run).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kaisoku.bench.common import goal, interleaved, median_iqr, print_table, write_result
+from kaisoku.config import Config
+from kaisoku.data.cosmo import NPZ_NAME, generate_cosmo
+from kaisoku.data.format import read_index
+from kaisoku.data.writer import pack
+from kaisoku.distributed.env import World
+from kaisoku.engine.checkpoint import CheckpointManager
+from kaisoku.engine.data_build import build_data
+from kaisoku.models.zoo import build_model
+from kaisoku.presets import get_preset
+
+ERROR_BOUND = 1
+"""The bound of the error-bounded pack: every count within 1 of the original."""
+
+CODECS = ("raw", "zstd", "delta", f"delta@{ERROR_BOUND}")
+
+FULL = {
+    "count": 1024,
+    "val": 128,
+    "size": 32,
+    "epochs": 8.0,
+    "nproc": 2,
+    "max_steps": 0,
+    "repeats": 3,
+    "workers": 2,
+}
+QUICK = {
+    "count": 64,
+    "val": 16,
+    "size": 16,
+    "epochs": 1.0,
+    "nproc": 1,
+    "max_steps": 3,
+    "repeats": 3,
+    "workers": 1,
+}
+
+
+def _config(pack_dir: Path, size: int) -> Config:
+    cfg = get_preset("cosmoflow-cpu")
+    cfg.data.path = str(pack_dir)
+    cfg.data.image_size = size
+    cfg.metrics.progress = False
+    return cfg
+
+
+def _loader_epoch(cfg: Config, epoch_box: list[int]) -> Any:
+    """One epoch of the training loader built from ``cfg``; returns a callable timing the next epoch."""
+    data = build_data(cfg, World(), torch.device("cpu"))
+    loader = data.train_loader
+
+    def one_epoch() -> float:
+        epoch_box[0] += 1
+        loader.set_epoch(epoch_box[0], 0)
+        start = time.perf_counter()
+        seen = sum(int(targets.shape[0]) for _, targets in loader)
+        return seen / (time.perf_counter() - start)
+
+    return one_epoch
+
+
+@torch.no_grad()
+def _val_mae(cfg: Config, model: torch.nn.Module) -> float:
+    """Mean absolute error of ``model`` over ``cfg``'s validation set, as training's validation computes it."""
+    data = build_data(cfg, World(), torch.device("cpu"))
+    errors = [(model(x) - y).abs().mean(dim=1) for x, y in data.val_loader or ()]
+    return float(torch.cat(errors).mean())
+
+
+def _train(cfg: Config, nproc: int, run_dir: Path) -> tuple[dict[str, Any], float]:
+    """Train ``cfg`` with ``kaisoku train``'s launcher; the last validation record and the wall seconds."""
+    from kaisoku.engine.build import train_on_local_ranks
+
+    cfg.run_dir = str(run_dir)
+    cfg.dist.nproc = nproc
+    start = time.perf_counter()
+    code = train_on_local_ranks(cfg, nproc)
+    wall = time.perf_counter() - start
+    if code != 0:
+        return {}, wall
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    validations = [r for r in lines if r.get("event") == "validation"]
+    return (validations[-1] if validations else {}), wall
+
+
+def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+    """Generate, pack, measure ratios and loader rates, train, and write ``cosmoflow.json``."""
+    p = QUICK if quick else FULL
+    work = Path(tempfile.mkdtemp(prefix="kaisoku-bench-cosmoflow-"))
+    rows: list[dict[str, Any]] = []
+    try:
+        started = time.perf_counter()
+        generate_cosmo(
+            work / "source",
+            count=p["count"],
+            size=p["size"],
+            val_count=p["val"],
+            seed=0,
+            workers=p["workers"],
+        )
+        generate_s = time.perf_counter() - started
+        sizes: dict[str, int] = {}
+        for codec in CODECS:
+            start = time.perf_counter()
+            pack(
+                work / "source" / NPZ_NAME,
+                work / codec,
+                codec=codec,
+                progress=False,
+                seed=0,
+                workers=p["workers"],
+            )
+            sizes[codec] = read_index(work / codec / "train").nbytes + read_index(work / codec / "val").nbytes
+            rows.append(
+                {
+                    "row": "pack",
+                    "codec": codec,
+                    "bytes": sizes[codec],
+                    "pack_s": round(time.perf_counter() - start, 1),
+                }
+            )
+        epochs = [0]
+        rates = interleaved(
+            {codec: _loader_epoch(_config(work / codec, p["size"]), epochs) for codec in CODECS}, p["repeats"]
+        )
+        raw_rate = median_iqr(rates["raw"])[0]
+        vs_raw = {codec: median_iqr(rates[codec])[0] / raw_rate for codec in CODECS}
+        for codec in CODECS:
+            median, iqr = median_iqr(rates[codec])
+            rows.append(
+                {
+                    "row": "loader",
+                    "codec": codec,
+                    "samples_per_s": round(median, 1),
+                    "iqr": round(iqr, 1),
+                    "vs_raw": round(vs_raw[codec], 3),
+                }
+            )
+        cfg = _config(work / "zstd", p["size"])
+        cfg.train.epochs = p["epochs"]
+        cfg.train.max_steps = p["max_steps"]
+        validation, wall = _train(cfg, p["nproc"], work / "train")
+        rows.append(
+            {
+                "row": "train",
+                "codec": "zstd",
+                "wall_s": round(wall, 1),
+                **{k: validation[k] for k in ("step", "val_loss", "val_mae") if k in validation},
+            }
+        )
+        gap, lossless_mae, lossy_mae = None, None, None
+        newest = CheckpointManager(work / "train" / "checkpoints", keep=3).latest_valid()
+        if newest is not None:
+            model = build_model(
+                "cosmoflow", num_classes=4, in_channels=4, size=p["size"], width=cfg.model.width
+            )
+            model.load_state_dict(CheckpointManager.load(newest[0])["model"])
+            model.eval()
+            lossless_mae = _val_mae(_config(work / "zstd", p["size"]), model)
+            lossy_mae = _val_mae(_config(work / CODECS[-1], p["size"]), model)
+            gap = abs(lossy_mae - lossless_mae)
+            rows.append(
+                {"row": "lossy", "codec": CODECS[-1], "val_mae": lossy_mae, "lossless_val_mae": lossless_mae}
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    short = "--quick: 16³, 64 samples, 3 steps on 1 rank" if quick else ""
+    trained = bool(validation)
+    summary = {
+        "val_mae_32cubed": goal(
+            validation.get("val_mae"),
+            "<= 0.10",
+            reason=short or ("" if trained else "the training run failed; see its logs"),
+            per_target=[validation.get(f"val_mae_{k}") for k in range(4)],
+        ),
+        "wall_minutes": goal(
+            wall / 60, "< 10", reason=short, what="kaisoku train on 2 ranks, launch to exit (data ready)"
+        ),
+        "zstd_ratio_vs_raw": goal(sizes["raw"] / sizes["zstd"], ">= 2"),
+        "delta_ratio_vs_zstd": goal(sizes["zstd"] / sizes["delta"], ">= 1.3"),
+        "lossy_mae_gap": goal(
+            gap,
+            "<= 0.005",
+            reason=short or ("" if gap is not None else "no trained model to evaluate"),
+            lossless_val_mae=lossless_mae,
+            lossy_val_mae=lossy_mae,
+            error_bound=ERROR_BOUND,
+        ),
+        "lossy_ratio": goal(
+            sizes["zstd"] / sizes[CODECS[-1]],
+            ">= 1.3",
+            what=f"zstd bytes / delta@{ERROR_BOUND} bytes",
+            vs_raw=round(sizes["raw"] / sizes[CODECS[-1]], 3),
+        ),
+        "loader_rate_vs_uncompressed_min": goal(
+            min(vs_raw[c] for c in CODECS if c != "raw"),
+            ">= 0.9",
+            per_codec={c: round(vs_raw[c], 3) for c in CODECS if c != "raw"},
+        ),
+    }
+    print_table("cosmoflow: codecs, loader and training", rows, summary)
+    return write_result(
+        "cosmoflow",
+        out_dir,
+        summary,
+        rows,
+        quick=quick,
+        notes=(
+            f"Generated universes ({p['count']} train / {p['val']} val, {p['size']}³, seed 0, generation "
+            f"{generate_s:.0f} s). Ratios: packed bytes of train + val. Loader: the training loader "
+            "(build_data from the cosmoflow-cpu config, 1 decode thread, batch 16) over a whole epoch, codecs "
+            f"interleaved, median of {p['repeats']}. Training: preset cosmoflow-cpu on the zstd pack, "
+            f"{p['nproc']} rank(s), {p['epochs']} epochs, wall from launch to exit. Lossy gap: the trained "
+            f"model's validation MAE on the delta@{ERROR_BOUND} pack against the lossless pack (no second run)."
+        ),
+        extra={"params": p},
+    )

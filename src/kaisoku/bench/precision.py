@@ -1,0 +1,315 @@
+"""``kaisoku bench precision``: test accuracy of each ``precision.mode`` against fp32, and its step-time cost.
+
+Two tasks, each trained by ``kaisoku train``'s builder (:func:`~kaisoku.engine.build.build_trainer`, then
+``Trainer.fit``) for the same steps from the same seeds in every mode: MNIST with ``small-cnn`` and the
+generated shapes set with ``resnet10`` (compact stem, 16 px). Modes: fp32, int8-stats, int16-stats,
+fp8-stats and ``int8-fixed`` (int8-stats with ``precision.exponent fixed``: every tensor's exponent 0, no
+statistics: the control), plus bf16 autocast where the device has fast bf16 (CUDA, or a CPU with
+AVX512-BF16/AMX); on other CPUs bf16 autocast runs about ten times slower than fp32 and its row says so
+instead of spending the benchmark's time. Runs go two at a time in worker processes of one thread each;
+a seed's modes run in a rotated order.
+
+Figures: per task and mode, the mean over seeds of (accuracy - fp32's accuracy of the same seed), in
+points; goals: int8-stats and fp8-stats within 0.5 points, int16-stats within 0.2 (the absolute gap of
+the mean). Step-time cost: the median over seeds of a mode's train seconds per step over fp32's (not a
+goal: on the CPU the rounding is extra work).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kaisoku.bench.common import goal, locate_mnist, record_and_show
+
+#: Mode label -> ``precision.*`` settings.
+MODES: dict[str, dict[str, Any]] = {
+    "fp32": {"mode": "fp32"},
+    "bf16": {"mode": "bf16"},
+    "int8-stats": {"mode": "int8-stats"},
+    "int16-stats": {"mode": "int16-stats"},
+    "fp8-stats": {"mode": "fp8-stats"},
+    "int8-fixed": {"mode": "int8-stats", "exponent": "fixed", "fixed_exponent": 0},
+}
+#: Below this mean fp32 accuracy a task counts as not learned (ten classes: chance is 0.1).
+LEARNED = 0.2
+#: Goal per mode: the largest allowed |mean accuracy gap to fp32| in points.
+GOAL_POINTS = {"int8-stats": 0.5, "fp8-stats": 0.5, "int16-stats": 0.2}
+
+
+@dataclass(frozen=True)
+class Task:
+    """One dataset and model, its steps and batch."""
+
+    name: str
+    model: str
+    stem: str
+    image_size: int
+    batch: int
+    steps: int
+    lr: float
+    val_count: int
+
+
+def plan(quick: bool) -> dict[str, Any]:
+    """What one invocation runs: tasks, seeds."""
+    if quick:
+        return {
+            "seeds": [0],
+            "tasks": [
+                Task("mnist", "small-cnn", "small", 28, 64, 6, 0.05, 256),
+                Task("shapes", "resnet10", "compact", 16, 32, 4, 0.05, 100),
+            ],
+        }
+    return {
+        "seeds": [0, 1, 2],
+        "tasks": [
+            Task("mnist", "small-cnn", "small", 28, 64, 150, 0.1, 5000),
+            Task("shapes", "resnet10", "compact", 16, 32, 150, 0.05, 1000),
+        ],
+    }
+
+
+def fast_bf16(device: torch.device) -> bool:
+    """True where bf16 autocast is not far slower than fp32: CUDA, or a CPU with AVX512-BF16 or AMX."""
+    if device.type == "cuda":
+        return True
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def train_config(task: Task, data: Path, run_dir: Path, seed: int, mode: str) -> Any:
+    """The ``kaisoku train`` config of one run: SGD momentum 0.9, cosine over exactly one epoch of
+    ``task.steps`` steps, validation only at the end, no checkpoints in between."""
+    from kaisoku.config import Config
+
+    cfg = Config(run_dir=str(run_dir))
+    cfg.data.path = str(data)
+    cfg.data.image_size = task.image_size
+    cfg.data.global_batch = task.batch
+    cfg.data.workers = 0
+    if task.name == "mnist":
+        cfg.data.crop_scale_min = 1.0
+    cfg.model.name = task.model
+    cfg.model.stem = task.stem  # type: ignore[assignment]
+    cfg.optim.name = "sgd"
+    cfg.optim.lr = task.lr
+    cfg.sched.name = "cosine"
+    cfg.sched.warmup_epochs = 0.05
+    cfg.train.seed = seed
+    cfg.train.epochs = 1
+    cfg.train.max_steps = task.steps
+    cfg.train.val_every = 10**9
+    cfg.train.log_every = max(1, task.steps // 3)
+    cfg.train.device = "cpu"
+    cfg.checkpoint.every_steps = 10**9
+    cfg.metrics.progress = False
+    for key, value in MODES[mode].items():
+        setattr(cfg.precision, key, value)
+    return cfg
+
+
+def _one_run(task: Task, data: str, work: str, seed: int, mode: str) -> dict[str, Any]:
+    """Train one (task, seed, mode) in this worker process; its row."""
+    import contextlib
+    import io
+
+    from kaisoku.config import validate
+    from kaisoku.distributed.env import World
+    from kaisoku.engine.build import build_trainer
+
+    torch.set_num_threads(1)
+    cfg = train_config(task, Path(data), Path(work) / f"{task.name}-{mode}-{seed}", seed, mode)
+    validate(cfg, world_size=1)
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer = build_trainer(cfg, World())
+        summary = trainer.fit()
+    trainer.metrics.close()
+    totals = trainer.precision.monitor.totals() if trainer.precision.monitor is not None else {}
+    return {
+        "task": task.name,
+        "mode": mode,
+        "seed": seed,
+        "steps": summary["steps"],
+        "accuracy": summary.get("val_accuracy"),
+        "final_loss": summary["final_loss"],
+        "step_s": summary["train_seconds"] / max(1, summary["steps"]),
+        "grad_underflow_mean": _mean_of(totals, "gradients", "underflow_fraction"),
+        "act_overflow_mean": _mean_of(totals, "activations", "overflow_rate"),
+    }
+
+
+def _mean_of(totals: dict[str, Any], tensor: str, key: str) -> float | None:
+    values = [entry[tensor][key] for entry in totals.values() if tensor in entry]
+    return round(statistics.mean(values), 6) if values else None
+
+
+def _prepare(task: Task, work: Path, mnist: Path | None) -> Path | None:
+    """The packed dataset of ``task`` under ``work`` (None: MNIST absent)."""
+    from kaisoku.data.datagen import generate
+    from kaisoku.data.writer import pack
+
+    if task.name == "mnist":
+        if mnist is None:
+            return None
+        from kaisoku.bench.parallel_mnist import _packed_mnist
+
+        sub = work / "mnist"
+        sub.mkdir(parents=True, exist_ok=True)
+        return _packed_mnist(mnist, sub, task.steps * task.batch, task.val_count)
+    folder = generate(
+        work / "shapes",
+        count=task.steps * task.batch,
+        size=task.image_size,
+        val_count=task.val_count,
+        workers=2,
+    )
+    packed = work / "shapes-packed"
+    pack(folder, packed, shard_bytes="4MiB", progress=False, workers=1)
+    return packed
+
+
+def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+    """Every task, mode and seed; goals, table and ``precision.json``."""
+    settings = plan(quick)
+    seeds: list[int] = settings["seeds"]
+    bf16 = fast_bf16(torch.device("cpu"))
+    modes = [m for m in MODES if m != "bf16" or bf16]
+    rows: list[dict[str, Any]] = []
+    missing: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="kaisoku-bench-precision-") as tmp:
+        work = Path(tmp)
+        jobs = []
+        for task in settings["tasks"]:
+            data = _prepare(task, work, locate_mnist())
+            if data is None:
+                missing[task.name] = "mnist.npz not found (pass --mnist or set KAISOKU_MNIST)"
+                continue
+            for index, seed in enumerate(seeds):
+                shift = index % len(modes)
+                for mode in modes[shift:] + modes[:shift]:
+                    jobs.append((task, str(data), str(work), seed, mode))
+        with ProcessPoolExecutor(max_workers=2, mp_context=mp.get_context("spawn")) as pool:
+            futures = [pool.submit(_one_run, *job) for job in jobs]
+            rows = [f.result() for f in futures]
+    summary, aggregates = _summarise(rows, settings, missing, quick)
+    if not bf16:
+        aggregates.append(
+            {
+                "task": "all",
+                "mode": "bf16",
+                "note": "not run: this CPU has no native bf16 (AVX512-BF16/AMX); bf16 autocast is about 10x slower than fp32 here",
+            }
+        )
+    notes = (
+        "CPU, worker processes of 1 thread, two runs at a time. Each run: build_trainer + Trainer.fit, SGD momentum "
+        "0.9, cosine over one epoch of the task's steps, test accuracy at the end. Gap = accuracy - fp32's "
+        "accuracy of the same seed, in points; the goal figure is the absolute mean gap over seeds. step_time_vs_fp32: "
+        "median over seeds of seconds per step over fp32's (emulation on the CPU: extra work, not a goal). "
+        "int8-fixed: int8 with every exponent fixed at 0 (no statistics)."
+    )
+    return record_and_show(
+        "precision",
+        out_dir,
+        summary,
+        rows + aggregates,
+        columns={
+            "task": "task",
+            "mode": "mode",
+            "seed": "seed",
+            "accuracy": "accuracy",
+            "gap_points_mean": "gap (points)",
+            "step_time_vs_fp32": "step time vs fp32",
+            "grad_underflow_mean": "grad underflow",
+            "note": "note",
+        },
+        quick=quick,
+        notes=notes,
+        extra={"seeds": seeds, "tasks": [t.__dict__ for t in settings["tasks"]]},
+    )
+
+
+def _summarise(
+    rows: list[dict[str, Any]], settings: dict[str, Any], missing: dict[str, str], quick: bool
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """Goal entries and one aggregate row per (task, mode)."""
+    summary: dict[str, dict[str, Any]] = {}
+    aggregates: list[dict[str, Any]] = []
+    base = {(r["task"], r["seed"]): r for r in rows if r["mode"] == "fp32"}
+    quick_reason = (
+        "--quick: a few steps, far from converged; accuracy gaps mean nothing here" if quick else ""
+    )
+    for task in settings["tasks"]:
+        label = "mnist_small_cnn" if task.name == "mnist" else "shapes_resnet10"
+        fp32_accuracy = [r["accuracy"] for (name, _), r in base.items() if name == task.name]
+        reason = quick_reason
+        if not quick and fp32_accuracy and statistics.mean(fp32_accuracy) < LEARNED:
+            reason = (
+                f"fp32 did not learn this task in {task.steps} steps (mean accuracy "
+                f"{statistics.mean(fp32_accuracy):.3f}, chance 0.1): the comparison says nothing"
+            )
+        mode_rows: dict[str, list[dict[str, Any]]] = {}
+        for r in rows:
+            if r["task"] == task.name and r["mode"] != "fp32":
+                mode_rows.setdefault(r["mode"], []).append(r)
+        for mode, group in mode_rows.items():
+            gaps = [100.0 * (r["accuracy"] - base[(task.name, r["seed"])]["accuracy"]) for r in group]
+            times = [r["step_s"] / base[(task.name, r["seed"])]["step_s"] for r in group]
+            aggregates.append(
+                {
+                    "task": task.name,
+                    "mode": mode,
+                    "gap_points_mean": round(statistics.mean(gaps), 3),
+                    "gap_points_per_seed": [round(g, 3) for g in gaps],
+                    "step_time_vs_fp32": round(statistics.median(times), 3),
+                }
+            )
+            if mode in GOAL_POINTS:
+                summary[f"{mode.replace('-', '_')}_gap_points_{label}"] = goal(
+                    abs(statistics.mean(gaps)),
+                    f"<= {GOAL_POINTS[mode]}",
+                    reason=reason,
+                    mean_gap=round(statistics.mean(gaps), 3),
+                    per_seed=[round(g, 3) for g in gaps],
+                )
+            if mode == "int8-fixed":
+                summary[f"int8_fixed_control_gap_points_{label}"] = goal(
+                    statistics.mean(gaps),
+                    "< -0.5",
+                    reason=reason,
+                    note="the control: expected much worse than fp32",
+                )
+        for mode in [*GOAL_POINTS, "int8-fixed"]:
+            prefix = (
+                f"{mode.replace('-', '_')}_gap_points"
+                if mode != "int8-fixed"
+                else "int8_fixed_control_gap_points"
+            )
+            key = f"{prefix}_{label}"
+            if key not in summary:
+                target = "< -0.5" if mode == "int8-fixed" else f"<= {GOAL_POINTS[mode]}"
+                summary[key] = goal(None, target, reason=missing.get(task.name, "not measured"))
+    return summary, aggregates
+
+
+#: Every goal name the summary holds.
+GOALS = {
+    f"{prefix}_{label}"
+    for label in ("mnist_small_cnn", "shapes_resnet10")
+    for prefix in (
+        "int8_stats_gap_points",
+        "fp8_stats_gap_points",
+        "int16_stats_gap_points",
+        "int8_fixed_control_gap_points",
+    )
+}

@@ -1,0 +1,276 @@
+"""The memory budget planner: per block, keep / compress / recompute / offload, the cheapest plan that fits.
+
+A profile of one step (:mod:`kaisoku.memory.profile`) gives, per block of
+:func:`kaisoku.models.blocks.ordered_blocks`, a :class:`BlockCost`: the bytes the block keeps for backward,
+what each technique leaves held, and the time each adds. The peak of a step is modelled as
+
+    peak = fixed + sum(held of every block) + [max(transient) + late gradients, if any transient]
+
+where ``peak`` is what a step adds to the memory held between steps (weights and optimizer state are
+not part of it, as they are not of a budget), ``fixed`` is what a plan does not change (gradients, the
+backward pass's working set; calibrated by the profile's measured plain step) and the transient is what
+a technique brings back at once during the block's backward (a recomputed block's activations, the
+offload's read-ahead window); the gradients that exist by then (all of them late in backward; one
+parameter's with the update in backward) come on top of it.
+:func:`choose` minimises the added time under ``peak <= budget``: for each candidate transient cap it
+solves the multiple-choice knapsack exactly with a Pareto frontier of (bytes, seconds) over the blocks.
+Everything here is pure (no torch), unit-tested on hand-worked cases.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kaisoku.errors import ConfigError
+from kaisoku.units import format_bytes, parse_bytes
+
+TECHNIQUES = ("keep", "compress", "recompute", "offload")
+"""What the planner (or ``memory.policy``) can do with one block's saved activations."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One technique on one block: bytes held from forward to backward, seconds it adds to a step."""
+
+    held_bytes: int
+    """Bytes the block holds between its forward and its backward with this technique."""
+    added_s: float
+    """Seconds this technique adds to a step (0 for keep)."""
+    transient_bytes: int = 0
+    """Bytes it brings back at once during the block's backward (recomputed activations, read-ahead)."""
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """What the profile measured for one block."""
+
+    saved_bytes: int
+    """Bytes the block keeps for backward as it is (keep)."""
+    options: Mapping[str, Option]
+    """Technique -> its cost; a technique missing here is not available for this block."""
+    compress_error: float = 0.0
+    """Relative error (L2) of the compressed saved tensors, for the log."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen technique per block and what the model predicts for it."""
+
+    techniques: tuple[str, ...]
+    """Technique per block, in block order."""
+    predicted_peak: int
+    """Modelled peak of a step with this plan, in bytes."""
+    added_s: float
+    """Modelled seconds the plan adds to a step."""
+    budget: int
+    """The budget it was chosen for, in bytes."""
+    notes: dict[str, object] = field(default_factory=dict)
+    """Profile figures kept for the log (plain peak, fixed bytes, ...)."""
+
+    def summary(self) -> str:
+        """The plan in one line: ranges of blocks per technique."""
+        return ", ".join(f"{spec}:{tech}" for spec, tech in _ranges(self.techniques)) or "nothing"
+
+
+def _ranges(techniques: Sequence[str]) -> list[tuple[str, str]]:
+    """``["keep","keep","recompute"]`` -> ``[("0-1","keep"),("2","recompute")]``."""
+    out: list[tuple[str, str]] = []
+    start = 0
+    for index in range(1, len(techniques) + 1):
+        if index == len(techniques) or techniques[index] != techniques[start]:
+            spec = str(start) if index - 1 == start else f"{start}-{index - 1}"
+            out.append((spec, techniques[start]))
+            start = index
+    return out
+
+
+def _frontier(
+    blocks: Sequence[BlockCost], allowed: Sequence[Sequence[str]]
+) -> list[tuple[int, float, tuple[str, ...]]]:
+    """Pareto frontier of (held bytes, added seconds, choice) over ``blocks`` (exact, no rounding)."""
+    front: list[tuple[int, float, tuple[str, ...]]] = [(0, 0.0, ())]
+    for block, names in zip(blocks, allowed):
+        merged = [
+            (held + block.options[name].held_bytes, added + block.options[name].added_s, choice + (name,))
+            for held, added, choice in front
+            for name in names
+        ]
+        merged.sort(key=lambda item: (item[0], item[1]))
+        front = []
+        for item in merged:  # keep only plans that are faster than every smaller one
+            if not front or item[1] < front[-1][1]:
+                front.append(item)
+    return front
+
+
+def minimum_peak(
+    blocks: Sequence[BlockCost],
+    fixed: int,
+    forced: Mapping[int, str] | None = None,
+    backward_bytes: int = 0,
+) -> int:
+    """The lowest modelled peak of any plan (what "needs at least" reports)."""
+    best = None
+    for cap, allowed in _caps(blocks, forced or {}):
+        front = _frontier(blocks, allowed)
+        if front:
+            peak = fixed + _late(cap, backward_bytes) + front[0][0]
+            best = peak if best is None else min(best, peak)
+    if best is None:
+        raise ConfigError("memory.policy leaves no technique available for some block")
+    return best
+
+
+def _late(cap: int, backward_bytes: int) -> int:
+    """What a transient of ``cap`` bytes adds: itself and the gradients that exist late in backward."""
+    return cap + backward_bytes if cap > 0 else 0
+
+
+def _caps(blocks: Sequence[BlockCost], forced: Mapping[int, str]) -> list[tuple[int, list[list[str]]]]:
+    """Per candidate transient cap: the techniques each block may use under it."""
+    caps = sorted({0, *(o.transient_bytes for b in blocks for o in b.options.values())})
+    out = []
+    for cap in caps:
+        allowed: list[list[str]] = []
+        for index, block in enumerate(blocks):
+            names = [forced[index]] if index in forced else list(block.options)
+            names = [n for n in names if n in block.options and block.options[n].transient_bytes <= cap]
+            allowed.append(names)
+        if all(allowed):
+            out.append((cap, allowed))
+    return out
+
+
+def choose(
+    blocks: Sequence[BlockCost],
+    *,
+    fixed: int,
+    budget: int,
+    forced: Mapping[int, str] | None = None,
+    headroom: float = 0.0,
+    backward_bytes: int = 0,
+) -> Plan:
+    """The plan with the least added time whose modelled peak fits ``budget``.
+
+    ``forced``: block index -> technique (``memory.policy``); ``headroom``: the fraction of the budget
+    kept free for what the model does not see (allocator rounding, fragmentation);
+    ``backward_bytes``: what exists alongside a transient brought back late in the backward pass (the
+    gradients of the blocks after it), added whenever a plan recomputes or offloads. Raises
+    :class:`ConfigError` (one line, with the minimum) when no plan fits.
+    """
+    forced = dict(forced or {})
+    for index, name in forced.items():
+        if name not in blocks[index].options:
+            raise ConfigError(f"memory.policy: {name} is not available for block {index} on this run")
+    best: Plan | None = None
+    for cap, allowed in _caps(blocks, forced):
+        late = _late(cap, backward_bytes)
+        room = int(budget * (1 - headroom)) - fixed - late
+        fitting = [item for item in _frontier(blocks, allowed) if item[0] <= room]
+        if not fitting:
+            continue
+        held, added, choice = min(fitting, key=lambda item: (item[1], item[0]))
+        if (
+            best is None
+            or added < best.added_s
+            or (added == best.added_s and fixed + late + held < best.predicted_peak)
+        ):
+            best = Plan(techniques=choice, predicted_peak=fixed + late + held, added_s=added, budget=budget)
+    if best is None:
+        least = minimum_peak(blocks, fixed, forced, backward_bytes)
+        how = "recomputed or offloaded" if any("offload" in b.options for b in blocks) else "recomputed"
+        raise ConfigError(
+            f"memory.budget {format_bytes(budget)} is too small: this model needs at least "
+            f"{format_bytes(least)} with everything {how}"
+        )
+    return best
+
+
+def parse_policy(text: str, count: int) -> dict[int, str]:
+    """Block index -> technique from ``"0-2:recompute,5:compress"``; one-line ConfigError otherwise."""
+    forced: dict[int, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        spec, sep, name = part.partition(":")
+        name = name.strip()
+        if not sep or name not in TECHNIQUES:
+            raise ConfigError(
+                f"memory.policy: '{part}' is not BLOCKS:TECHNIQUE (techniques: {', '.join(TECHNIQUES)}), "
+                "e.g. 0-2:recompute,5:compress"
+            )
+        try:
+            lo, _, hi = spec.strip().partition("-")
+            first, last = int(lo), int(hi) if hi else int(lo)
+        except ValueError:
+            raise ConfigError(f"memory.policy: '{spec}' is not a block index or a range like 2-5") from None
+        if not 0 <= first <= last < count:
+            raise ConfigError(
+                f"memory.policy: block '{spec.strip()}' does not exist; the model's blocks are 0-{count - 1}"
+            )
+        for index in range(first, last + 1):
+            forced[index] = name
+    return forced
+
+
+def parse_budget(text: str, total_bytes: int | None = None) -> int:
+    """Bytes from ``memory.budget``: a size with a unit (``"2GiB"``) or a fraction of ``total_bytes``.
+
+    A bare number in (0, 1] is a fraction of the device's memory (CUDA) or the host's (CPU); give it
+    ``total_bytes``, or it is read from the host.
+    """
+    text = str(text).strip()
+    try:
+        number = float(text)
+    except ValueError:
+        number = None
+    if number is not None and 0 < number <= 1:
+        return int(number * (total_bytes if total_bytes is not None else host_memory_bytes()))
+    if number is not None:
+        raise ConfigError(
+            f"memory.budget: '{text}' is neither a fraction in (0, 1] nor a size with a unit such as 2GiB"
+        )
+    size = parse_bytes(text)
+    if size <= 0:
+        raise ConfigError("memory.budget must be > 0 (a size such as 2GiB or a fraction such as 0.5)")
+    return size
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this host, in bytes."""
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def policy_plan(count: int, forced: Mapping[int, str]) -> tuple[str, ...]:
+    """Techniques per block when only ``memory.policy`` is given: forced ones, keep elsewhere."""
+    return tuple(forced.get(index, "keep") for index in range(count))
+
+
+def check_memory_config(memory: object, *, hybrid: bool, block_count: Callable[[], int]) -> None:
+    """One-line ConfigError for ``memory.*`` settings that cannot work together (before training)."""
+    get = memory.__getattribute__
+    planned = bool(str(get("budget")).strip() or str(get("policy")).strip())
+    if hybrid and (planned or get("offload") != "none"):
+        raise ConfigError(
+            "memory.budget, memory.policy and memory.offload are for data parallelism; "
+            "leave them unset with parallel.pp > 1 or a switch"
+        )
+    if planned and get("recompute") != "none":
+        raise ConfigError(
+            "memory.budget / memory.policy choose recomputation per block; leave memory.recompute at none"
+        )
+    if not planned and get("compress") != "none" and get("offload") != "none":
+        raise ConfigError(
+            "memory.compress and memory.offload both hook the saved activations; pick one, or let "
+            "memory.budget / memory.policy mix them per block"
+        )
+    if get("offload") == "disk" and not str(get("offload_dir")).strip():
+        raise ConfigError("memory.offload disk needs memory.offload_dir (a node-local directory)")
+    if str(get("offload_dir")).strip():
+        from kaisoku.memory.offload import check_offload_dir
+
+        check_offload_dir(str(get("offload_dir")))
+    if str(get("budget")).strip():
+        parse_budget(str(get("budget")), total_bytes=1 << 30)
+    if str(get("policy")).strip():
+        parse_policy(str(get("policy")), block_count())

@@ -1,0 +1,218 @@
+"""Cluster and dataset descriptions for ``kaisoku plan``: TOML files checked key by key.
+
+A bad value stops with one line naming the file and the key (:class:`~kaisoku.errors.ConfigError`).
+Rates are decimal MB/s (1 MB = 10^6 bytes); sizes take kaisoku's byte strings ("1.6TB", "64MiB") or
+plain byte counts. The layout (every key of ``examples/clusters/*.toml``)::
+
+    [cluster]    name, nodes, ranks_per_node, readers_per_node
+    [shared_fs]  readers = [1, 2, 4, ...], seq_read_MBps = [...], small_reads_per_s = [...],
+                 small_file_bytes
+    [network]    node_bandwidth_MBps
+    [local]      path, capacity, read_MBps, write_MBps
+    [ram]        capacity, bandwidth_MBps
+    [compute]    step_seconds, batch_per_rank, loader_samples_per_s (a node's loader from RAM; 0: no limit)
+
+    [dataset]    name, samples, sample_bytes, sample_bytes_std, samples_per_file, shard_bytes
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from kaisoku.errors import ConfigError
+from kaisoku.plan_model import MB, Cluster, Dataset, RateTable
+from kaisoku.units import parse_bytes
+
+_SECTIONS = {
+    "cluster": {"name", "nodes", "ranks_per_node", "readers_per_node"},
+    "shared_fs": {"readers", "seq_read_MBps", "small_reads_per_s", "small_file_bytes"},
+    "network": {"node_bandwidth_MBps"},
+    "local": {"path", "capacity", "read_MBps", "write_MBps"},
+    "ram": {"capacity", "bandwidth_MBps"},
+    "compute": {"step_seconds", "batch_per_rank", "loader_samples_per_s"},
+    "probe": None,  # free-form: how the numbers were measured
+    "dataset": None,  # a cluster file may carry a dataset too
+}
+_DATASET_KEYS = {"name", "samples", "sample_bytes", "sample_bytes_std", "samples_per_file", "shard_bytes"}
+
+
+def _load(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such file")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{p}: not valid TOML ({error})") from None
+
+
+class _Reader:
+    """Typed, checked access to one TOML mapping; every error names ``<file>: <section>.<key>``."""
+
+    def __init__(self, where: str, data: dict[str, Any]) -> None:
+        self.where = where
+        self.data = data
+
+    def _fail(self, key: str, message: str) -> ConfigError:
+        return ConfigError(f"{self.where}: {key} {message}")
+
+    def raw(self, key: str, default: Any = None) -> Any:
+        section, _, name = key.partition(".")
+        block = self.data.get(section, {})
+        if not isinstance(block, dict):
+            raise self._fail(section, "must be a table")
+        if name not in block:
+            if default is None:
+                raise self._fail(key, "is missing")
+            return default
+        return block[name]
+
+    def number(self, key: str, default: float | None = None, *, positive: bool = True) -> float:
+        value = self.raw(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise self._fail(key, f"must be a number (got {value!r})")
+        if positive and value <= 0:
+            raise self._fail(key, f"must be > 0 (got {value})")
+        if value < 0:
+            raise self._fail(key, f"must be >= 0 (got {value})")
+        return float(value)
+
+    def integer(self, key: str, default: int | None = None) -> int:
+        value = self.raw(key, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self._fail(key, f"must be a whole number (got {value!r})")
+        if value < 1:
+            raise self._fail(key, f"must be >= 1 (got {value})")
+        return value
+
+    def size(self, key: str, default: int | str | None = None, *, positive: bool = False) -> float:
+        value = self.raw(key, default)
+        try:
+            nbytes = float(value) if isinstance(value, float) else float(parse_bytes(value))
+        except (ConfigError, ValueError, TypeError) as error:
+            raise self._fail(key, f"is not a byte size ({error})") from None
+        if nbytes < 0 or (positive and nbytes == 0):
+            raise self._fail(key, f"must be {'> 0' if positive else '>= 0'} bytes (got {value!r})")
+        return nbytes
+
+    def table(self, key: str, readers: tuple[int, ...], scale: float) -> RateTable:
+        values = self.raw(key)
+        if not isinstance(values, list) or len(values) != len(readers):
+            raise self._fail(
+                key, f"must be a list of {len(readers)} numbers, one per entry of shared_fs.readers"
+            )
+        out = []
+        for i, value in enumerate(values):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise self._fail(f"{key}[{i}]", f"must be a number > 0 (got {value!r})")
+            out.append(float(value) * scale)
+        return RateTable(readers, tuple(out))
+
+
+def _check_keys(where: str, data: dict[str, Any], sections: dict[str, set[str] | None]) -> None:
+    for section, block in data.items():
+        if section not in sections:
+            raise ConfigError(f"{where}: unknown section [{section}]; expected one of {', '.join(sections)}")
+        allowed = sections[section]
+        if allowed is not None and isinstance(block, dict):
+            for key in block:
+                if key not in allowed:
+                    raise ConfigError(
+                        f"{where}: unknown key {section}.{key}; expected one of {', '.join(sorted(allowed))}"
+                    )
+
+
+def cluster_from_dict(data: dict[str, Any], where: str = "cluster") -> Cluster:
+    """A checked :class:`Cluster` from a parsed TOML mapping."""
+    _check_keys(where, data, _SECTIONS)
+    r = _Reader(where, data)
+    nodes = r.integer("cluster.nodes")
+    readers_raw = r.raw("shared_fs.readers")
+    if not isinstance(readers_raw, list) or not readers_raw:
+        raise ConfigError(f"{where}: shared_fs.readers must be a non-empty list of reader counts")
+    for i, value in enumerate(readers_raw):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{where}: shared_fs.readers[{i}] must be a whole number >= 1 (got {value!r})")
+        if i and value <= readers_raw[i - 1]:
+            raise ConfigError(
+                f"{where}: shared_fs.readers must increase ({readers_raw[i - 1]} then {value} at [{i}])"
+            )
+    readers = tuple(readers_raw)
+    return Cluster(
+        name=str(r.raw("cluster.name", "cluster")),
+        nodes=nodes,
+        ranks_per_node=r.integer("cluster.ranks_per_node", 1),
+        readers_per_node=r.integer("cluster.readers_per_node", 8),
+        fs_seq=r.table("shared_fs.seq_read_MBps", readers, MB),
+        fs_small=r.table("shared_fs.small_reads_per_s", readers, 1.0),
+        small_file_bytes=r.size("shared_fs.small_file_bytes", 1500, positive=True),
+        network_bw=r.number("network.node_bandwidth_MBps") * MB,
+        local_capacity=r.size("local.capacity", 0),
+        local_read_bw=r.number("local.read_MBps", 1000.0) * MB,
+        local_write_bw=r.number("local.write_MBps", 1000.0) * MB,
+        local_path=str(r.raw("local.path", "")),
+        ram_capacity=r.size("ram.capacity", 0),
+        ram_bw=r.number("ram.bandwidth_MBps", 5000.0) * MB,
+        step_seconds=r.number("compute.step_seconds", 0.0, positive=False),
+        batch_per_rank=r.integer("compute.batch_per_rank", 32),
+        loader_rate=r.number("compute.loader_samples_per_s", 0.0, positive=False),
+    )
+
+
+def dataset_from_dict(data: dict[str, Any], where: str = "dataset") -> Dataset:
+    """A checked :class:`Dataset` from a parsed TOML mapping with a ``[dataset]`` table."""
+    block = data.get("dataset")
+    if not isinstance(block, dict):
+        raise ConfigError(f"{where}: no [dataset] table")
+    for key in block:
+        if key not in _DATASET_KEYS:
+            raise ConfigError(
+                f"{where}: unknown key dataset.{key}; expected one of {', '.join(sorted(_DATASET_KEYS))}"
+            )
+    r = _Reader(where, data)
+    return Dataset(
+        name=str(r.raw("dataset.name", "dataset")),
+        samples=r.integer("dataset.samples"),
+        sample_bytes=r.size("dataset.sample_bytes", positive=True),
+        sample_bytes_std=r.size("dataset.sample_bytes_std", 0),
+        samples_per_file=r.integer("dataset.samples_per_file", 1),
+        shard_bytes=r.size("dataset.shard_bytes", 64 * 2**20, positive=True),
+    )
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """The cluster described by the TOML file ``path``."""
+    return cluster_from_dict(_load(path), str(path))
+
+
+def load_dataset(spec: str | Path) -> Dataset:
+    """A dataset from a TOML description, a packed dataset folder or its ``index.json``."""
+    p = Path(spec)
+    if p.suffix == ".toml":
+        return dataset_from_dict(_load(p), str(p))
+    index_file = p / "index.json" if p.is_dir() else p
+    if not index_file.is_file():
+        raise ConfigError(
+            f"--dataset {spec}: neither a .toml description nor a packed dataset (no index.json)"
+        )
+    from kaisoku.data.format import read_index
+
+    index = read_index(index_file.parent)
+    sizes = index.shard_nbytes()
+    samples = int(index.num_samples)
+    mean = float(index.nbytes) / max(samples, 1)
+    try:
+        meta = json.loads(index_file.read_text()).get("name", index_file.parent.name)
+    except (OSError, ValueError):
+        meta = index_file.parent.name
+    return Dataset(
+        name=str(meta),
+        samples=samples,
+        sample_bytes=mean,
+        samples_per_file=1,  # the per-file strategy reads records one by one
+        shard_bytes=float(sizes.mean()) if len(sizes) else 64 * 2**20,
+    )

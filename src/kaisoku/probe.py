@@ -1,0 +1,324 @@
+"""``kaisoku probe PATH``: measure the file system holding PATH and this node's tiers; write a cluster TOML.
+
+Measured, each within a share of ``--seconds``:
+
+* sequential read bandwidth of the file system at PATH vs concurrent readers (1, 2, 4, 8, 16 threads,
+  each reading its own scratch file);
+* small-file reads per second vs readers (open + read of ~1.5 KB files) and the same for ~100 KB files;
+* write and read bandwidth of a node-local folder (``--local``, default the system's temporary folder)
+  and of the RAM tier (/dev/shm).
+
+The page cache is dropped before every read pass where this process may (root, /proc/sys/vm/drop_caches);
+otherwise each pass reads files no earlier pass touched and the profile says the cache was not dropped.
+The node-to-node bandwidth cannot be measured from one node: the profile carries a loopback TCP figure,
+marked as such, to be replaced by the interconnect's. On a PATH that is not writable the probe says so in
+one line and measures what reading needs no writing: existing files under PATH.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from kaisoku.errors import ConfigError
+
+READERS = (1, 2, 4, 8, 16)
+SMALL_BYTES = 1536
+MEDIUM_BYTES = 100 * 1024
+_CHUNK = 1 << 20
+
+
+def is_writable(folder: Path) -> bool:
+    """Whether scratch files can be made in ``folder`` (tried, not guessed from permission bits)."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
+def can_drop_caches() -> bool:
+    """Whether this process may drop the page cache."""
+    return os.access("/proc/sys/vm/drop_caches", os.W_OK)
+
+
+def drop_caches() -> bool:
+    """Drop the page cache where allowed; whether it was dropped."""
+    if not can_drop_caches():
+        return False
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as handle:
+        handle.write("3\n")
+    return True
+
+
+def _write_file(path: Path, nbytes: int, *, sync: bool = True) -> None:
+    block = os.urandom(min(nbytes, _CHUNK))
+    with open(path, "wb") as handle:
+        left = nbytes
+        while left > 0:
+            handle.write(block[: min(left, len(block))])
+            left -= len(block)
+        if sync:
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+def _read_file(path: Path) -> int:
+    total = 0
+    with open(path, "rb", buffering=0) as handle:
+        while chunk := handle.read(_CHUNK):
+            total += len(chunk)
+    return total
+
+
+def parallel_read(paths: Sequence[Path], readers: int, deadline: float) -> tuple[float, int, int]:
+    """Read ``paths`` with ``readers`` threads until done or ``deadline``: seconds, bytes, files read."""
+    lock = threading.Lock()
+    state = {"next": 0, "bytes": 0, "files": 0}
+
+    def worker() -> None:
+        while time.monotonic() < deadline:
+            with lock:
+                i = state["next"]
+                state["next"] += 1
+            if i >= len(paths):
+                return
+            n = _read_file(paths[i])
+            with lock:
+                state["bytes"] += n
+                state["files"] += 1
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(readers) as pool:
+        for future in [pool.submit(worker) for _ in range(readers)]:
+            future.result()
+    return time.perf_counter() - start, state["bytes"], state["files"]
+
+
+def _tier(folder: Path, nbytes: int) -> tuple[float, float]:
+    """Write then read bandwidth (bytes/s) of one file of ``nbytes`` in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"kaisoku-probe-tier-{os.getpid()}.bin"
+    try:
+        start = time.perf_counter()
+        _write_file(path, nbytes)
+        write = nbytes / (time.perf_counter() - start)
+        drop_caches()
+        start = time.perf_counter()
+        _read_file(path)
+        return write, nbytes / (time.perf_counter() - start)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _loopback_bandwidth(nbytes: int = 64 << 20) -> float:
+    """Bytes/s through a loopback TCP connection (a stand-in where no second node is at hand)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    received = [0]
+
+    def sink() -> None:
+        conn, _ = server.accept()
+        with conn:
+            while data := conn.recv(_CHUNK):
+                received[0] += len(data)
+
+    thread = threading.Thread(target=sink, daemon=True)
+    thread.start()
+    block = b"\0" * _CHUNK
+    start = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        for _ in range(nbytes // _CHUNK):
+            client.sendall(block)
+    thread.join(30)
+    server.close()
+    return received[0] / (time.perf_counter() - start)
+
+
+def probe(
+    path: str | Path,
+    *,
+    seconds: float = 60.0,
+    local: str | Path | None = None,
+    ram: str | Path = "/dev/shm",
+    readers: Sequence[int] = READERS,
+    progress: Callable[[str, float], None] | None = None,
+) -> dict[str, Any]:
+    """Measure and return the profile as a TOML-ready mapping (see the module docstring)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ConfigError(f"kaisoku probe: {root} is not a folder")
+    report = progress or (lambda what, fraction: None)
+    started = time.monotonic()
+    dropped = can_drop_caches()
+    cache_note = (
+        "page cache dropped before every read pass"
+        if dropped
+        else "page cache NOT dropped (no permission): each pass reads files written for it alone"
+    )
+    writable = is_writable(root)
+    scratch = Path(tempfile.mkdtemp(prefix="kaisoku-probe-", dir=root)) if writable else None
+    seq: list[float] = []
+    small: list[float] = []
+    medium: list[float] = []
+    notes: list[str] = []
+    try:
+        budget = seconds * (0.7 if writable else 0.9)
+        per_pass = budget / (3 * len(readers))
+        if scratch is not None:
+            calibration = scratch / "calibrate.bin"
+            t0 = time.perf_counter()
+            _write_file(calibration, 1 << 20)
+            write_rate = (1 << 20) / (time.perf_counter() - t0)
+            # Every pass reads files no other pass touched; their writing takes ~20% of the budget.
+            big = max(256 << 10, min(32 << 20, int(write_rate * seconds * 0.2 / sum(readers))))
+            for i, count in enumerate(readers):
+                report(f"sequential reads, {count} readers", i / (3 * len(readers)))
+                files = []
+                for j in range(count):
+                    p = scratch / f"seq-{count}-{j}.bin"
+                    _write_file(p, big, sync=False)
+                    files.append(p)
+                drop_caches()
+                s, n, _ = parallel_read(files, count, time.monotonic() + per_pass * 4)
+                seq.append(n / s)
+            for size, out, tag in ((SMALL_BYTES, small, "1.5 KB"), (MEDIUM_BYTES, medium, "100 KB")):
+                for i, count in enumerate(readers):
+                    report(
+                        f"{tag} files, {count} readers",
+                        (len(readers) * (1 + (out is medium)) + i) / (3 * len(readers)),
+                    )
+                    folder = scratch / f"small-{size}-{count}"
+                    folder.mkdir()
+                    files = []
+                    t0 = time.monotonic()
+                    while len(files) < 4000 and time.monotonic() - t0 < per_pass:
+                        p = folder / f"{len(files):05d}.bin"
+                        _write_file(p, size, sync=False)
+                        files.append(p)
+                    drop_caches()
+                    s, _, done = parallel_read(files, count, time.monotonic() + per_pass)
+                    out.append(done / s)
+        else:
+            notes.append(f"{root} is not writable: only reads of files already under it were measured")
+            print(
+                f"kaisoku probe: {root} is not writable; measuring only reads of the files already there",
+                file=sys.stderr,
+            )
+            found = sorted(
+                (p for p in root.rglob("*") if p.is_file() and os.access(p, os.R_OK)),
+                key=lambda p: p.stat().st_size,
+            )[:20000]
+            if not found:
+                raise ConfigError(f"kaisoku probe: {root} is not writable and holds no readable files")
+            large, little = found[-max(readers) :], found[: min(len(found), 4000)]
+            for i, count in enumerate(readers):
+                report(f"existing files, {count} readers", i / len(readers))
+                drop_caches()
+                s, n, _ = parallel_read(large[:count], count, time.monotonic() + per_pass)
+                seq.append(n / s)
+                drop_caches()
+                s, _, done = parallel_read(little, count, time.monotonic() + per_pass)
+                small.append(done / s)
+        report("local and RAM tiers", 0.95)
+        tier_bytes = int(min(64 << 20, max(4 << 20, seconds * (1 << 20))))
+        local_dir = Path(local) if local else Path(tempfile.gettempdir())
+        local_w, local_r = _tier(local_dir, tier_bytes)
+        ram_w, ram_r = _tier(Path(ram), tier_bytes)
+        net = _loopback_bandwidth(max(8 << 20, tier_bytes))
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    report("done", 1.0)
+    # The model's tables must not decrease where the readers' own files were the limit: keep them as measured.
+    profile: dict[str, Any] = {
+        "cluster": {"name": f"probe of {root}", "nodes": 1, "ranks_per_node": 1, "readers_per_node": 8},
+        "shared_fs": {
+            "readers": list(readers),
+            "seq_read_MBps": [round(v / 1e6, 2) for v in seq],
+            "small_reads_per_s": [round(v, 1) for v in small],
+            "small_file_bytes": SMALL_BYTES if writable else int(little[len(little) // 2].stat().st_size),
+        },
+        "network": {"node_bandwidth_MBps": round(net / 1e6, 1)},
+        "local": {
+            "path": str(local_dir),
+            "capacity": int(shutil.disk_usage(local_dir).free * 0.9),
+            "read_MBps": round(local_r / 1e6, 1),
+            "write_MBps": round(local_w / 1e6, 1),
+        },
+        "ram": {
+            "capacity": int(shutil.disk_usage(ram).free * 0.5),
+            "bandwidth_MBps": round(min(ram_r, ram_w) / 1e6, 1),
+        },
+        "probe": {
+            "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "path": str(root),
+            "host": socket.gethostname(),
+            "seconds": round(time.monotonic() - started, 1),
+            "units": "MBps = 10^6 bytes/s; reads_per_s = files opened and read per second, all readers together",
+            "seq_method": "N threads each read its own scratch file of the same size once, 1 MiB reads, unbuffered",
+            "small_method": "N threads open and read whole files of small_file_bytes, as many as fit the time share",
+            "cache": cache_note,
+            "tier_method": f"one file of {tier_bytes >> 20} MiB written (fsync) then read, in local.path and in /dev/shm",
+            "network_method": "loopback TCP on this host: replace with the interconnect's per-node bandwidth",
+            "capacity_method": "local: 90% of free space; ram: 50% of free /dev/shm",
+        },
+    }
+    if medium:
+        profile["probe"]["reads_per_s_100KB"] = [round(v, 1) for v in medium]
+    if notes:
+        profile["probe"]["notes"] = notes
+    return profile
+
+
+def cmd_probe(argv: Sequence[str]) -> int:
+    """``kaisoku probe PATH [--out machine.toml] [--seconds S] [--local DIR]``."""
+    import tomli_w
+    from rich.progress import Progress
+
+    from kaisoku.cli import _Parser
+
+    parser = _Parser(
+        prog="kaisoku probe",
+        description=(
+            "Measure the file system holding PATH (sequential and small-file reads vs readers) and this "
+            "node's local disk and RAM tiers; write a cluster TOML profile for kaisoku plan."
+        ),
+    )
+    parser.add_argument("path", help="a folder on the file system to measure (scratch files go under it)")
+    parser.add_argument("--out", default="machine.toml", help="profile to write (default machine.toml)")
+    parser.add_argument("--seconds", type=float, default=60.0, help="time budget (default 60)")
+    parser.add_argument("--local", default="", help="node-local folder to measure (default: the temp folder)")
+    args = parser.parse_args(list(argv))
+    if args.seconds <= 0:
+        raise ConfigError(f"--seconds must be > 0 (got {args.seconds})")
+    with Progress(transient=True, disable=not sys.stderr.isatty()) as bar:
+        task = bar.add_task("probe", total=1.0)
+
+        def report(what: str, fraction: float) -> None:
+            bar.update(task, completed=fraction, description=what)
+
+        profile = probe(args.path, seconds=args.seconds, local=args.local or None, progress=report)
+    header = (
+        "# kaisoku probe profile: measured on this node (see [probe] for how); "
+        "nodes, ranks and network are to be set for the real cluster\n"
+    )
+    Path(args.out).write_text(header + tomli_w.dumps(profile))
+    fs = profile["shared_fs"]
+    print(
+        f"wrote {args.out}: sequential {fs['seq_read_MBps'][0]}..{max(fs['seq_read_MBps'])} MB/s, "
+        f"small files {fs['small_reads_per_s'][0]}..{max(fs['small_reads_per_s'])}/s "
+        f"({profile['probe']['seconds']} s)"
+    )
+    return 0

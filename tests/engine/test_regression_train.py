@@ -1,0 +1,100 @@
+"""Regression from `kaisoku train`: CosmoFlow on packed universes with 2 ranks, MSE and MAE per target;
+a dataset that does not fit the model or the loss is refused in one line before training."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kaisoku.config import Config, validate
+from kaisoku.data.cosmo import universe_arrays
+from kaisoku.data.datagen import generate
+from kaisoku.data.writer import pack
+from kaisoku.errors import ConfigError
+from kaisoku.optim.schedules import schedule_factor
+from kaisoku.presets import get_preset
+from tests.train_harness import train_env
+
+
+@pytest.fixture(scope="module")
+def volumes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cosmo")
+    x, y = universe_arrays(32, 8, seed=0)
+    xv, yv = universe_arrays(8, 8, seed=0, split="val")
+    np.savez(root / "cosmo.npz", x_train=x, y_train=y, x_val=xv, y_val=yv)
+    pack(root / "cosmo.npz", root / "packed", codec="delta", workers=1, progress=False)
+    return root / "packed"
+
+
+@pytest.mark.timeout(300)
+def test_cosmoflow_trains_on_two_ranks_with_mse_and_mae(tmp_path: Path, volumes: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "kaisoku", "train", "--preset", "cosmoflow-cpu",
+         "--nproc", "2", "--run-dir", str(run_dir), "--data.path", str(volumes),
+         "--data.image-size", "8", "--data.global-batch", "8", "--data.workers", "0",
+         "--model.width", "4", "--train.epochs", "1", "--train.log-every", "1",
+         "--metrics.progress", "false"],
+        capture_output=True, text=True, timeout=240, env=train_env(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "loss" in r and "event" not in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]  # 32 samples / batch 8
+    assert all(np.isfinite(r["loss"]) for r in steps)
+    validation = [r for r in lines if r.get("event") == "validation"][-1]
+    assert validation["val_samples"] == 8
+    assert "val_accuracy" not in validation
+    maes = [validation[f"val_mae_{k}"] for k in range(4)]
+    assert all(0 < m < 2.2 for m in maes) and validation["val_mae"] == pytest.approx(sum(maes) / 4)
+    assert "MAE" in result.stdout
+
+
+def _cfg(**fields: object) -> Config:
+    cfg = Config()
+    for key, value in fields.items():
+        section, name = key.split("__")
+        setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def test_data_that_does_not_fit_is_one_line_naming_both_sides(tmp_path: Path, volumes: Path) -> None:
+    images = generate(tmp_path / "shapes", count=10, size=8, val_count=10, workers=1)
+    with pytest.raises(ConfigError, match=r"model.name cosmoflow takes volumes .* holds 2D images") as error:
+        validate(_cfg(model__name="cosmoflow", data__path=str(images)))
+    assert "\n" not in str(error.value)
+    with pytest.raises(
+        ConfigError, match=r"holds volumes \[4, 8, 8, 8\] \(regression\), but model.name resnet10"
+    ):
+        validate(_cfg(data__path=str(volumes)))
+    with pytest.raises(ConfigError, match="train.loss cross-entropy does not fit"):
+        validate(_cfg(model__name="cosmoflow", data__path=str(volumes), train__loss="cross-entropy"))
+    with pytest.raises(ConfigError, match="train.loss mse does not fit"):
+        validate(_cfg(data__path=str(images), train__loss="mse"))
+    with pytest.raises(ConfigError, match="label_smoothing"):
+        validate(_cfg(model__name="cosmoflow", data__path=str(volumes), train__label_smoothing=0.1))
+    validate(_cfg(model__name="cosmoflow", data__path=str(volumes)))  # fits: no error
+
+
+def test_reference_preset_schedule_decays_at_epochs_32_and_64() -> None:
+    cfg = get_preset("cosmoflow")
+    assert cfg.optim.lr == pytest.approx(0.001 * cfg.data.global_batch / 64)
+    assert cfg.data.global_batch % 4 == 0 and cfg.optim.momentum == 0.9
+    per_epoch = 10
+    factor = schedule_factor(
+        "step",
+        total_steps=int(cfg.train.epochs) * per_epoch,
+        warmup_steps=int(cfg.sched.warmup_epochs) * per_epoch,
+        step_milestones=cfg.sched.step_milestones,
+        step_factors=cfg.sched.step_factors,
+    )
+    assert factor(0) == pytest.approx(1 / 40)  # warming up over 4 epochs
+    assert factor(31 * per_epoch) == 1.0
+    assert factor(32 * per_epoch) == 0.25
+    assert factor(64 * per_epoch) == 0.125
+    assert factor(127 * per_epoch) == 0.125

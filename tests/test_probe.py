@@ -1,0 +1,42 @@
+"""``kaisoku probe``: a short real probe of a temporary folder, its TOML, and a read-only folder."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import kaisoku.probe as probe_module
+from kaisoku.plan_cluster import load_cluster
+from kaisoku.probe import cmd_probe, probe
+
+
+def test_probe_writes_a_profile_that_plan_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "machine.toml"
+    data = tmp_path / "fs"
+    data.mkdir()
+    cmd_probe([str(data), "--out", str(out), "--seconds", "3", "--local", str(tmp_path / "local")])
+    profile = tomllib.loads(out.read_text())
+    fs = profile["shared_fs"]
+    assert fs["readers"] == [1, 2, 4, 8, 16]
+    assert len(fs["seq_read_MBps"]) == 5 and min(fs["seq_read_MBps"]) > 0
+    assert min(fs["small_reads_per_s"]) > 0
+    assert profile["probe"]["date"].endswith("Z") and "cache" in profile["probe"]
+    assert not any(p.name.startswith("kaisoku-probe-") for p in data.iterdir())  # scratch removed
+    cluster = load_cluster(out)
+    assert cluster.nodes == 1 and cluster.fs_seq.at(1) > 0
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_read_only_path_measures_existing_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for i in range(20):
+        (tmp_path / f"f{i}.bin").write_bytes(bytes(2000 + 100 * i))
+    monkeypatch.setattr(probe_module, "is_writable", lambda folder: False)
+    profile = probe(tmp_path, seconds=1.0, readers=(1, 2), local=tmp_path / "local")
+    assert "not writable" in capsys.readouterr().err
+    assert "not writable" in profile["probe"]["notes"][0]
+    assert len(profile["shared_fs"]["seq_read_MBps"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == sorted(f"f{i}.bin" for i in range(20))
