@@ -56,7 +56,7 @@ IQR_TARGET = (GOAL - 1.0) / 3
 def settings(quick: bool) -> dict[str, int]:
     """Minimum and maximum rounds, chunk pairs per round, images in the generated set, global batch."""
     if quick:
-        return {"min_rounds": 3, "max_rounds": 3, "chunks_per_round": 2, "count": 640, "global_batch": 64}
+        return {"min_rounds": 3, "max_rounds": 3, "chunks_per_round": 1, "count": 320, "global_batch": 32}
     return {"min_rounds": 9, "max_rounds": 15, "chunks_per_round": 12, "count": 2000, "global_batch": 128}
 
 
