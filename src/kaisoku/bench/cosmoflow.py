@@ -45,7 +45,7 @@ FULL = {
     "count": 1024,
     "val": 128,
     "size": 32,
-    "epochs": 8.0,
+    "epochs": 28.0,
     "nproc": 2,
     "max_steps": 0,
     "repeats": 3,

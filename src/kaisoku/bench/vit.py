@@ -40,7 +40,7 @@ NAME = "vit"
 WORLD_SIZE = 2
 SEEDS = [0, 1, 2]
 #: (a): epochs of the accuracy run.
-EPOCHS = 3
+EPOCHS = 5
 #: (b): optimizer steps of each short run (global batch 128).
 SHORT_STEPS = 8
 #: (c): images per micro-batch.
