@@ -155,7 +155,9 @@ def cmd_datagen(argv: Sequence[str]) -> int:
             seed=args.seed,
             workers=args.workers or None,
         )
-        print(f"wrote {args.count} training universes of {args.size or 32}^3 to {path}; kaisoku pack it")
+        print(
+            f"wrote {args.count} training universes of {args.size or 32}^3 to {path}; pack it with: kaisoku pack {path} DST"
+        )
         return 0
     root = generate(
         args.dir,

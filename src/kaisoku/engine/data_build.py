@@ -213,7 +213,9 @@ def data_conflict(cfg: Config) -> str | None:
     """
     volumetric = cfg.model.name == "cosmoflow"
     path = Path(cfg.data.path).expanduser() if cfg.data.path else None
-    packed = packed_splits(path) if path is not None and path.exists() else None
+    if path is not None and not path.exists():
+        return None  # a missing path is reported as such where the data is opened
+    packed = packed_splits(path) if path is not None else None
     if path is not None and packed is not None:
         index = read_index(packed[0])
         task = index.task or "classification"

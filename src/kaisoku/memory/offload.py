@@ -107,7 +107,32 @@ class _Registry:
         self._seen.clear()
 
 
-class DiskOffload:
+class _SavedTensorHooks:
+    """What both offload targets share: the saved-tensors hooks around a step or a block."""
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def begin(self) -> None:
+        """Start a step: forget the previous step's saved tensors."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Offload what the forward pass inside saves (one forward per step)."""
+        self.begin()
+        with self.hooks():
+            yield
+
+    def hooks(self) -> Any:
+        """The saved-tensors hooks alone (for one block; :meth:`begin` once per step)."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+
+class DiskOffload(_SavedTensorHooks):
     """Out-of-core saved activations in ``directory`` (a private sub-directory, removed by :meth:`close`)."""
 
     def __init__(
@@ -217,17 +242,6 @@ class DiskOffload:
             raise self._error
         return future.result()
 
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        """Offload what the forward pass inside saves (one forward per step)."""
-        self.begin()
-        with self.hooks():
-            yield
-
-    def hooks(self) -> Any:
-        """The saved-tensors hooks alone (for one block; :meth:`begin` once per step)."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
     def flush(self) -> None:
         """Wait until every saved tensor is written."""
         with self._cond:
@@ -260,7 +274,7 @@ class DiskOffload:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-class PinnedOffload:
+class PinnedOffload(_SavedTensorHooks):
     """CUDA saved activations copied to pinned host memory on a side stream, prefetched back for backward."""
 
     def __init__(self, device: torch.device, *, prefetch: int = 2) -> None:
@@ -313,17 +327,6 @@ class PinnedOffload:
         current.wait_event(ready)
         tensor.record_stream(current)
         return tensor
-
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        """Offload what the forward pass inside saves (one forward per step)."""
-        self.begin()
-        with self.hooks():
-            yield
-
-    def hooks(self) -> Any:
-        """The saved-tensors hooks alone (for one block; :meth:`begin` once per step)."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def flush(self) -> None:
         """Wait until every copy to the host is done."""
