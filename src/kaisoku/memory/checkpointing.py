@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from kaisoku.errors import ConfigError
+from kaisoku.memory.planner import block_range
 from kaisoku.models.blocks import ordered_blocks
 
 RecomputeMode = Literal["none", "blocks", "selective"]
@@ -136,13 +137,13 @@ def parse_block_list(text: str, count: int) -> list[int]:
     for part in text.split(","):
         part = part.strip()
         try:
-            lo, _, hi = part.partition("-")
-            first, last = int(lo), int(hi) if hi else int(lo)
+            chosen.extend(block_range(part, count))
         except ValueError:
             raise ConfigError(f"memory.blocks: '{part}' is not an index or a range like 2-5") from None
-        if not 0 <= first <= last < count:
-            raise ConfigError(f"memory.blocks: '{part}' is outside the model's blocks 0-{count - 1}")
-        chosen.extend(range(first, last + 1))
+        except IndexError:
+            raise ConfigError(
+                f"memory.blocks: '{part}' is outside the model's blocks 0-{count - 1}"
+            ) from None
     return sorted(set(chosen))
 
 

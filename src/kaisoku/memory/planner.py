@@ -188,6 +188,16 @@ def choose(
     return best
 
 
+def block_range(spec: str, count: int) -> range:
+    """The blocks of ``"5"`` or ``"2-5"`` among ``count``: ValueError when it is not an index or a range,
+    IndexError when it is not inside 0..count-1 (the callers word the one-line error for their setting)."""
+    lo, _, hi = spec.strip().partition("-")
+    first, last = int(lo), int(hi) if hi else int(lo)
+    if not 0 <= first <= last < count:
+        raise IndexError(spec)
+    return range(first, last + 1)
+
+
 def parse_policy(text: str, count: int) -> dict[int, str]:
     """Block index -> technique from ``"0-2:recompute,5:compress"``; one-line ConfigError otherwise."""
     forced: dict[int, str] = {}
@@ -200,15 +210,14 @@ def parse_policy(text: str, count: int) -> dict[int, str]:
                 "e.g. 0-2:recompute,5:compress"
             )
         try:
-            lo, _, hi = spec.strip().partition("-")
-            first, last = int(lo), int(hi) if hi else int(lo)
+            blocks = block_range(spec, count)
         except ValueError:
             raise ConfigError(f"memory.policy: '{spec}' is not a block index or a range like 2-5") from None
-        if not 0 <= first <= last < count:
+        except IndexError:
             raise ConfigError(
                 f"memory.policy: block '{spec.strip()}' does not exist; the model's blocks are 0-{count - 1}"
-            )
-        for index in range(first, last + 1):
+            ) from None
+        for index in blocks:
             forced[index] = name
     return forced
 
