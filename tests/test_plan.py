@@ -17,9 +17,11 @@ from kaisoku.plan_model import (
     Cluster,
     Dataset,
     RateTable,
+    first_batch_fraction,
     predict,
     predict_all,
     recommend,
+    staged_first_epoch,
     strategies,
 )
 
@@ -71,10 +73,32 @@ def test_hand_worked_perfile_and_staging_times() -> None:
     assert p["staged-global"].first_epoch_s == pytest.approx(20.0)
     # steady: each node reads its 0.25 GB share from local disk at 1000 MB/s
     assert p["staged-global"].steady_epoch_s == pytest.approx(0.25)
-    # partial Q=0.5: 1 GB from the FS at 200 MB/s = 5 s; exchange 0.5 * 0.25 GB at 100 MB/s = 1.25 s
-    assert p["partial-Q0.5"].first_epoch_s == pytest.approx(1.25 + 5.0)
+    # partial Q=0.5: 1 GB from the FS at 200 MB/s = 5 s, all staged before the exchange (it reads the
+    # records it sends); exchange 0.5 * 0.25 GB at 100 MB/s = 1.25 s; then the 0.25 GB share locally 0.25 s
+    assert p["partial-Q0.5"].first_epoch_s == pytest.approx(5.0 + 1.25 + 0.25)
     assert p["partial-Q0.5"].network_bytes == pytest.approx(0.5e9)
     assert p["local-only"].network_bytes == 0.0
+
+
+def test_first_epoch_waits_for_the_staging_its_first_batch_touches() -> None:
+    assert first_batch_fraction(1, 5) == 1.0
+    assert first_batch_fraction(100, 10) == pytest.approx(1 - 0.99**10)  # 0.0956
+    # Node batch 1,000 over 100 shards: the first batch touches all but 0.004% of them, so the
+    # staging (4 nodes x 1 GB at 200 MB/s = 20 s) comes before reading; with a loader of 1,000
+    # samples/s the node's 2,500 samples take 2.5 s after it.
+    c = _cluster(batch_per_rank=1000, loader_rate=1000.0)
+    lead = 1 - 0.99**1000
+    p = _by_name(c)
+    assert p["staged-global"].first_epoch_s == pytest.approx(lead * 20 + 2.5)
+    assert p["staged-global"].steady_epoch_s == pytest.approx(2.5)
+    # Block shuffle: the first batch waits for its block of 8 shards (8% of the staging), the rest
+    # overlaps the 2.5 s of loading: 0.08 * 20 + max(0.92 * 20, 2.5)
+    block = 0.08 * (1 - (7 / 8) ** 1000)
+    assert p["staged-block"].first_epoch_s == pytest.approx(block * 20 + max((1 - block) * 20, 2.5))
+    # Local-only: 25 shards per node; 1 GB from the FS at 200 MB/s = 5 s, nearly all before the first batch
+    lead_local = 1 - 0.96**1000
+    assert p["local-only"].first_epoch_s == pytest.approx(lead_local * 5 + max((1 - lead_local) * 5, 2.5))
+    assert staged_first_epoch(0.0, 3.0, 5.0) == 5.0 and staged_first_epoch(1.0, 3.0, 5.0) == 8.0
 
 
 def test_compute_bound_epochs_reach_au_one() -> None:
@@ -212,3 +236,36 @@ def test_strategy_hint_names_a_change_only_when_waiting() -> None:
     assert line is not None and "--data.local-cache" in line and "2.0x" in line and "\n" not in line
     partial = strategy_hint(0.3, staged=True, shuffle="partial", exchange=0.5, local_cache=True)
     assert partial is not None and "--data.exchange 0.25" in partial
+
+
+def test_a_finished_run_that_waited_on_a_network_mount_gets_the_plan_hint(tmp_path: Path) -> None:
+    from kaisoku.engine.metrics import MetricsLogger
+    from kaisoku.engine.report import data_hint
+
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    (pack / "index.json").write_text("{}")
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/vda / ext4 rw 0 0\nserver:/export {pack} nfs4 rw 0 0\n")
+    local = tmp_path / "local-mounts"
+    local.write_text("/dev/vda / ext4 rw 0 0\n")
+
+    def run(waits: list[float]) -> Path:
+        run_dir = tmp_path / f"run-{len(list(tmp_path.glob('run-*')))}"
+        logger = MetricsLogger(
+            run_dir, enabled=True, total_steps=len(waits), progress=False, tensorboard=False
+        )
+        for step, wait in enumerate(waits):
+            logger.log({"step": step + 1, "data_wait_fraction": wait})
+        logger.close()
+        (run_dir / "config.toml").write_text(
+            f'[data]\npath = "{pack}"\nshuffle = "global"\nlocal_cache = ""\n'
+        )
+        return run_dir
+
+    waiting = run([0.9, 0.5, 0.5, 0.5])  # the first window (start-up) is left out: mean 0.5
+    line = data_hint(waiting, str(mounts))
+    assert line is not None and "\n" not in line and "50%" in line and "2.0x" in line
+    assert "--data.local-cache" in line
+    assert data_hint(waiting, str(local)) is None  # a local source: not the I/O model's case
+    assert data_hint(run([0.9, 0.02, 0.03]), str(mounts)) is None  # no real wait: no hint

@@ -16,8 +16,18 @@ def test_probe_writes_a_profile_that_plan_reads(tmp_path: Path, capsys: pytest.C
     out = tmp_path / "machine.toml"
     data = tmp_path / "fs"
     data.mkdir()
-    cmd_probe([str(data), "--out", str(out), "--seconds", "3", "--local", str(tmp_path / "local")])
+    config = tmp_path / "tiny.toml"
+    config.write_text(
+        '[model]\nname = "small-cnn"\nnum_classes = 10\n[data]\nimage_size = 16\nglobal_batch = 8\n'
+    )
+    cmd_probe(
+        [str(data), "--out", str(out), "--seconds", "3", "--local", str(tmp_path / "local"),
+         "--train", str(config), "--ranks", "2"]
+    )  # fmt: skip
     profile = tomllib.loads(out.read_text())
+    # --train: the step time of the config's model at its per-rank batch (8 over 2 ranks), in [compute]
+    assert profile["compute"]["batch_per_rank"] == 4 and profile["compute"]["step_seconds"] > 0
+    assert "small-cnn" in profile["probe"]["compute_method"]
     fs = profile["shared_fs"]
     assert fs["readers"] == [1, 2, 4, 8, 16]
     assert len(fs["seq_read_MBps"]) == 5 and min(fs["seq_read_MBps"]) > 0
@@ -26,6 +36,7 @@ def test_probe_writes_a_profile_that_plan_reads(tmp_path: Path, capsys: pytest.C
     assert not any(p.name.startswith("kaisoku-probe-") for p in data.iterdir())  # scratch removed
     cluster = load_cluster(out)
     assert cluster.nodes == 1 and cluster.fs_seq.at(1) > 0
+    assert cluster.step_seconds == profile["compute"]["step_seconds"] and cluster.batch_per_rank == 4
     assert "wrote" in capsys.readouterr().out
 
 
@@ -34,9 +45,12 @@ def test_read_only_path_measures_existing_files(
 ) -> None:
     for i in range(20):
         (tmp_path / f"f{i}.bin").write_bytes(bytes(2000 + 100 * i))
+    (tmp_path / "large.bin").write_bytes(bytes(1 << 20))  # read for bandwidth, never as a small file
     monkeypatch.setattr(probe_module, "is_writable", lambda folder: False)
     profile = probe(tmp_path, seconds=1.0, readers=(1, 2), local=tmp_path / "local")
     assert "not writable" in capsys.readouterr().err
     assert "not writable" in profile["probe"]["notes"][0]
     assert len(profile["shared_fs"]["seq_read_MBps"]) == 2
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == sorted(f"f{i}.bin" for i in range(20))
+    assert 2000 <= profile["shared_fs"]["small_file_bytes"] < 4000
+    names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
+    assert names == sorted([*(f"f{i}.bin" for i in range(20)), "large.bin"])

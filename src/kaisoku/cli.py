@@ -222,6 +222,13 @@ def cmd_pack(argv: Sequence[str]) -> int:
         help="--codec delta only: store every value within this distance of the original (0: lossless)",
     )
     parser.add_argument(
+        "--error-mode",
+        default="abs",
+        choices=["abs", "log1p"],
+        help="how --error-bound is measured: abs |decoded - x| <= E; log1p |log1p(decoded) - log1p(x)| <= E "
+        "(non-negative integer counts, e.g. volumes a model sees through log1p: small counts stay exact)",
+    )
+    parser.add_argument(
         "--workers", type=int, default=0, help="packing processes (0: one per core, at most 8)"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a previous pack in a non-empty DST")
@@ -240,13 +247,17 @@ def cmd_pack(argv: Sequence[str]) -> int:
         help="kaisoku pack --upgrade DIR: rewrite DIR's index as the current format version (shards stay)",
     )
     args = parser.parse_args(list(argv))
-    if args.error_bound and args.codec != "delta":
+    if (args.error_bound or args.error_mode != "abs") and args.codec != "delta":
         raise ConfigError(f"kaisoku pack: --error-bound needs --codec delta (got --codec {args.codec})")
+    if args.codec == "delta":
+        from kaisoku.data.delta import delta_codec_name
+
+        args.codec = delta_codec_name(args.error_bound, args.error_mode)
     result = pack(
         args.src,
         args.dst,
         shard_bytes=parse_bytes(args.shard_size),
-        codec=f"delta@{args.error_bound:g}" if args.error_bound else args.codec,
+        codec=args.codec,
         workers=args.workers or None,
         overwrite=args.overwrite,
         progress=sys.stderr.isatty(),

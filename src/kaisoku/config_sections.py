@@ -288,7 +288,7 @@ class MemoryConfig:
     budget: str = ""
     """Memory one training step may add to what the run holds between steps (activations, gradients, temporaries): a size (2GiB) or a fraction of the GPU's or host's memory (0.5). Profiles one step, then picks keep/compress/recompute/offload per block with the least added time; logged and written to metrics.jsonl."""
     policy: str = ""
-    """Force a technique per block, e.g. "0-2:recompute,5:compress" (keep, compress, recompute, offload); with memory.budget the planner chooses the other blocks."""
+    """Force a technique per block, e.g. "0-2:recompute,5:compress" (keep, compress, int8, recompute, offload); with memory.budget the planner chooses the other blocks."""
 
 
 PrecisionMode = Literal["fp32", "bf16", "fp16", "int8-stats", "int16-stats", "fp8-stats"]

@@ -24,7 +24,11 @@ Strategies and their cost (D: dataset bytes, N: nodes, M: samples, C: a node's l
                   Q * D / N bytes with the other nodes every epoch (before the epoch's loop)
     local-only    partial with Q = 0
 
-An epoch overlaps I/O with compute: epoch = exchange + max(compute, I/O), AU = compute / epoch.
+An epoch overlaps I/O with compute: epoch = exchange + max(compute, I/O), AU = compute / epoch. The
+first epoch of a staged strategy also waits, before its first batch, for the staging of the shards that
+batch touches (:func:`first_batch_fraction`: all of them for a global order whose node batch is larger
+than the shard count, one block for the block shuffle, the whole node partition before a partial
+shuffle's exchange); the rest of the staging overlaps the epoch (:func:`staged_first_epoch`).
 Randomness: global (per-file, staged-global) > partial Q=1 > 0.5 > 0.25 > 0.1 > block > local-only
 (:data:`RANDOMNESS`, lower is more random); ``kaisoku plan`` also reports kaisoku's shuffle quality.
 """
@@ -38,6 +42,9 @@ MB = 1e6
 
 #: Exchange fractions of the partial strategies.
 PARTIAL_Q = (1.0, 0.5, 0.25, 0.1)
+
+#: Shards per block of the block shuffle (``kaisoku plan`` recommends ``--data.block-shards`` this).
+BLOCK_SHARDS = 8
 
 
 @dataclass(frozen=True)
@@ -201,6 +208,25 @@ def compute_seconds(cluster: Cluster, dataset: Dataset, nodes: int) -> float:
     return (dataset.samples // max(global_batch, 1)) * cluster.step_seconds
 
 
+def first_batch_fraction(shards: float, batch: float) -> float:
+    """Expected fraction of ``shards`` equally likely shards that a random batch of ``batch`` samples
+    touches: ``1 - (1 - 1/shards)^batch``. A node's first batch cannot start before these are staged."""
+    if shards <= 1:
+        return 1.0
+    return 1.0 - (1.0 - 1.0 / shards) ** max(batch, 1.0)
+
+
+def staged_first_epoch(lead: float, stage_s: float, overlapped: float) -> float:
+    """First-epoch I/O time of a staged strategy: the staging the first batch waits for (fraction
+    ``lead`` of ``stage_s``), then the rest of the staging overlapped with ``overlapped`` (the epoch's
+    reading, decoding and compute).
+
+    ``lead * stage_s + max((1 - lead) * stage_s, overlapped)``
+    """
+    lead = min(max(lead, 0.0), 1.0)
+    return lead * stage_s + max((1.0 - lead) * stage_s, overlapped)
+
+
 def _bound(compute: float, parts: dict[str, float]) -> str:
     name, worst = max(parts.items(), key=lambda item: item[1])
     return "compute" if compute >= worst else name
@@ -214,8 +240,10 @@ def predict(cluster: Cluster, dataset: Dataset, strategy: Strategy, nodes: int |
     compute = compute_seconds(cluster, dataset, n)
     readers = n * cluster.readers_per_node
     loader_s = m / n / cluster.loader_rate if cluster.loader_rate > 0 else 0.0
+    node_batch = cluster.ranks_per_node * cluster.batch_per_rank
     notes: list[str] = []
     network = 0.0
+    lead, stage_first = 0.0, 0.0  # staging the first batch waits for (a fraction of stage_first seconds)
     if not strategy.staged:
         files = m / dataset.samples_per_file
         io = perfile_seconds(cluster, files, b * dataset.samples_per_file, readers)
@@ -231,21 +259,27 @@ def predict(cluster: Cluster, dataset: Dataset, strategy: Strategy, nodes: int |
         write_s = staging_write_seconds(cluster, kept)
         local_s = tier_read_seconds(cluster, share * frac, kept)
         exchange_s = 0.0
+        if strategy.shuffle == "global":
+            lead = first_batch_fraction(dataset.num_shards, node_batch)
+        else:
+            block = min(BLOCK_SHARDS, dataset.num_shards)
+            lead = block / dataset.num_shards * first_batch_fraction(block, node_batch)
         if frac >= 1.0:
-            first_io = max(stage_s, write_s, local_s)
+            stage_first, first_io = max(stage_s, write_s), local_s
             steady_io = local_s
             local, fs_first, fs_steady = d, n * d, 0.0
             steady_parts = {"local tier": local_s}
         elif strategy.shuffle == "block":
             stream_s = n * d / cluster.fs_seq.at(n)
             first_io = steady_io = stream_s
-            window = min(d, 2 * 8 * dataset.shard_bytes)
+            lead = 0.0
+            window = min(d, 2 * BLOCK_SHARDS * dataset.shard_bytes)
             local, fs_first, fs_steady = window, n * d, n * d
             steady_parts = {"shared FS": stream_s}
             notes.append(f"local capacity {capacity:.3g} B < dataset {d:.3g} B: shards stream every epoch")
         else:
             rest = perfile_seconds(cluster, m * (1.0 - frac), b, readers)
-            first_io = max(stage_s, write_s, local_s) + rest
+            stage_first, first_io = max(stage_s, write_s), local_s + rest
             steady_io = local_s + rest
             local, fs_first, fs_steady = kept, n * kept + d * (1 - frac), d * (1 - frac)
             steady_parts = {"shared FS": rest, "local tier": local_s}
@@ -258,7 +292,9 @@ def predict(cluster: Cluster, dataset: Dataset, strategy: Strategy, nodes: int |
         write_s = staging_write_seconds(cluster, home)
         exchange_s = q * home / cluster.network_bw
         network = q * d
-        first_io = max(stage_s, write_s, local_s)
+        # Q > 0: the exchange reads the records it sends, spread over the node's shards, before the loop.
+        lead = 1.0 if q > 0 else first_batch_fraction(dataset.num_shards / n, node_batch)
+        stage_first, first_io = max(stage_s, write_s), local_s
         steady_io = local_s
         local, fs_first, fs_steady = home * (1 + q), d, 0.0
         steady_parts = {"local tier": local_s, "network": exchange_s}
@@ -266,7 +302,7 @@ def predict(cluster: Cluster, dataset: Dataset, strategy: Strategy, nodes: int |
             notes.append("the node's partition does not fit its local capacity")
     if loader_s > 0:
         steady_parts["loader"] = loader_s
-    first = exchange_s + max(compute, first_io, loader_s)
+    first = exchange_s + staged_first_epoch(lead, stage_first, max(compute, first_io, loader_s))
     steady = exchange_s + max(compute, steady_io, loader_s)
     return Prediction(
         strategy=strategy,

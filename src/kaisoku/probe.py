@@ -6,7 +6,9 @@ Measured, each within a share of ``--seconds``:
   each reading its own scratch file);
 * small-file reads per second vs readers (open + read of ~1.5 KB files) and the same for ~100 KB files;
 * write and read bandwidth of a node-local folder (``--local``, default the system's temporary folder)
-  and of the RAM tier (/dev/shm).
+  and of the RAM tier (/dev/shm);
+* with ``--train CONFIG``: the compute time of one training step of that ``kaisoku train`` config
+  (:func:`measure_step`), written as ``[compute] step_seconds`` and ``batch_per_rank``.
 
 The page cache is dropped before every read pass where this process may (root, /proc/sys/vm/drop_caches);
 otherwise each pass reads files no earlier pass touched and the profile says the cache was not dropped.
@@ -36,6 +38,18 @@ READERS = (1, 2, 4, 8, 16)
 SMALL_BYTES = 1536
 MEDIUM_BYTES = 100 * 1024
 _CHUNK = 1 << 20
+FOLDERS = 16
+"""Folders the probe's small files are spread over (a dataset's files lie in many class folders)."""
+
+
+def spread(paths: Sequence[Path]) -> list[Path]:
+    """``paths`` in a random order keyed by their count (reads then hop between folders, as a shuffled
+    epoch over class folders does, instead of walking one folder)."""
+    import random
+
+    out = list(paths)
+    random.Random(len(out)).shuffle(out)
+    return out
 
 
 def is_writable(folder: Path) -> bool:
@@ -175,7 +189,8 @@ def probe(
     notes: list[str] = []
     try:
         budget = seconds * (0.7 if writable else 0.9)
-        per_pass = budget / (3 * len(readers))
+        # Three passes per reader count where scratch files can be written, two (existing files) otherwise.
+        per_pass = budget / ((3 if writable else 2) * len(readers))
         if scratch is not None:
             calibration = scratch / "calibrate.bin"
             t0 = time.perf_counter()
@@ -200,15 +215,16 @@ def probe(
                         (len(readers) * (1 + (out is medium)) + i) / (3 * len(readers)),
                     )
                     folder = scratch / f"small-{size}-{count}"
-                    folder.mkdir()
+                    for j in range(FOLDERS):
+                        (folder / f"d{j:02d}").mkdir(parents=True)
                     files = []
                     t0 = time.monotonic()
                     while len(files) < 4000 and time.monotonic() - t0 < per_pass:
-                        p = folder / f"{len(files):05d}.bin"
+                        p = folder / f"d{len(files) % FOLDERS:02d}" / f"{len(files):05d}.bin"
                         _write_file(p, size, sync=False)
                         files.append(p)
                     drop_caches()
-                    s, _, done = parallel_read(files, count, time.monotonic() + per_pass)
+                    s, _, done = parallel_read(spread(files), count, time.monotonic() + per_pass)
                     out.append(done / s)
         else:
             notes.append(f"{root} is not writable: only reads of files already under it were measured")
@@ -222,14 +238,18 @@ def probe(
             )[:20000]
             if not found:
                 raise ConfigError(f"kaisoku probe: {root} is not writable and holds no readable files")
-            large, little = found[-max(readers) :], found[: min(len(found), 4000)]
+            # Small-file reads: the smallest files only (up to 4x the smallest size), never the large ones.
+            smallest = found[0].stat().st_size
+            little = [p for p in found[:4000] if p.stat().st_size <= max(4 * smallest, 4096)]
+            large = found[-max(readers) :]
             for i, count in enumerate(readers):
                 report(f"existing files, {count} readers", i / len(readers))
                 drop_caches()
-                s, n, _ = parallel_read(large[:count], count, time.monotonic() + per_pass)
+                # Every pass reads all the large files it can in its time share (one file is latency).
+                s, n, _ = parallel_read(large, count, time.monotonic() + per_pass)
                 seq.append(n / s)
                 drop_caches()
-                s, _, done = parallel_read(little, count, time.monotonic() + per_pass)
+                s, _, done = parallel_read(spread(little), count, time.monotonic() + per_pass)
                 small.append(done / s)
         report("local and RAM tiers", 0.95)
         tier_bytes = int(min(64 << 20, max(4 << 20, seconds * (1 << 20))))
@@ -268,7 +288,12 @@ def probe(
             "seconds": round(time.monotonic() - started, 1),
             "units": "MBps = 10^6 bytes/s; reads_per_s = files opened and read per second, all readers together",
             "seq_method": "N threads each read its own scratch file of the same size once, 1 MiB reads, unbuffered",
-            "small_method": "N threads open and read whole files of small_file_bytes, as many as fit the time share",
+            "small_method": (
+                "N threads open and read whole files of small_file_bytes, as many as fit the time share, in a "
+                f"keyed random order over the files' folders ({FOLDERS} when the probe writes them): a network "
+                "or FUSE file system may serialise the look-ups within one folder, as a dataset's class "
+                "folders would not"
+            ),
             "cache": cache_note,
             "tier_method": f"one file of {tier_bytes >> 20} MiB written (fsync) then read, in local.path and in /dev/shm",
             "network_method": "loopback TCP on this host: replace with the interconnect's per-node bandwidth",
@@ -280,6 +305,68 @@ def probe(
     if notes:
         profile["probe"]["notes"] = notes
     return profile
+
+
+def measure_step(config: str | Path, *, seconds: float = 10.0, ranks: int = 0) -> dict[str, Any]:
+    """Compute time of one training step of the ``kaisoku train`` config file ``config`` (TOML over the
+    default preset): the model and optimizer ``kaisoku train`` builds (same builders), forward, loss,
+    backward and optimizer step on a random batch of the per-rank size, timed after 2 warm-up steps for
+    up to ``seconds`` (at least 3 steps); the median. ``ranks``: ranks the global batch is split over
+    (0: the config's ``dist.nproc``, or 1)."""
+    import statistics
+
+    import torch
+
+    from kaisoku.cli import resolve_config
+    from kaisoku.models.zoo import build_model
+    from kaisoku.optim.factory import build_optimizer
+
+    cfg, _ = resolve_config(["--config", str(config)])
+    world = ranks or max(1, cfg.dist.nproc)
+    batch = max(1, cfg.data.global_batch // world // max(1, cfg.train.grad_accum))
+    device = torch.device(
+        "cuda" if cfg.train.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
+    )
+    volume = cfg.model.name == "cosmoflow"
+    classes = cfg.model.num_classes or (4 if volume else 1000)
+    size = cfg.data.image_size
+    shape = (4, size, size, size) if volume else (3, size, size)
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(
+        cfg.model.name, num_classes=classes, stem=cfg.model.stem, in_channels=shape[0], size=size,
+        width=cfg.model.width,
+    ).to(device)  # fmt: skip
+    optimizer = build_optimizer(model, cfg.optim)
+    inputs = torch.randn(batch, *shape, device=device)
+    if volume:
+        targets: torch.Tensor = torch.randn(batch, classes, device=device)
+        loss_fn: Any = torch.nn.MSELoss()
+    else:
+        targets = torch.randint(0, classes, (batch,), device=device)
+        loss_fn = torch.nn.CrossEntropyLoss()
+    times: list[float] = []
+    deadline = time.monotonic() + seconds
+    for k in range(1000):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(inputs), targets).backward()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if k >= 2:
+            times.append(time.perf_counter() - start)
+        if len(times) >= 3 and time.monotonic() > deadline:
+            break
+    return {
+        "step_seconds": round(statistics.median(times), 6),
+        "batch_per_rank": batch,
+        "config": str(config),
+        "method": (
+            f"median of {len(times)} steps (forward, loss, backward, {cfg.optim.name} step) of "
+            f"{cfg.model.name} on a random batch of {batch} x {'x'.join(map(str, shape))} on {device.type}, "
+            f"after 2 warm-up steps; {classes} outputs"
+        ),
+    }
 
 
 def cmd_probe(argv: Sequence[str]) -> int:
@@ -300,6 +387,16 @@ def cmd_probe(argv: Sequence[str]) -> int:
     parser.add_argument("--out", default="machine.toml", help="profile to write (default machine.toml)")
     parser.add_argument("--seconds", type=float, default=60.0, help="time budget (default 60)")
     parser.add_argument("--local", default="", help="node-local folder to measure (default: the temp folder)")
+    parser.add_argument(
+        "--train", default="", metavar="CONFIG",
+        help="also time one training step of this kaisoku train config (TOML) into [compute]",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=0,
+        help="ranks the config's global batch is split over (default: its dist.nproc)",
+    )
     args = parser.parse_args(list(argv))
     if args.seconds <= 0:
         raise ConfigError(f"--seconds must be > 0 (got {args.seconds})")
@@ -310,12 +407,21 @@ def cmd_probe(argv: Sequence[str]) -> int:
             bar.update(task, completed=fraction, description=what)
 
         profile = probe(args.path, seconds=args.seconds, local=args.local or None, progress=report)
+    if args.train:
+        step = measure_step(args.train, seconds=min(30.0, max(1.0, args.seconds / 4)), ranks=args.ranks)
+        profile["compute"] = {"step_seconds": step["step_seconds"], "batch_per_rank": step["batch_per_rank"]}
+        profile["probe"]["compute_method"] = f"{step['method']}; config {step['config']}"
     header = (
         "# kaisoku probe profile: measured on this node (see [probe] for how); "
         "nodes, ranks and network are to be set for the real cluster\n"
     )
     Path(args.out).write_text(header + tomli_w.dumps(profile))
     fs = profile["shared_fs"]
+    compute = profile.get("compute")
+    if compute:
+        print(
+            f"compute: {compute['step_seconds']:.4g} s per step at batch {compute['batch_per_rank']} per rank"
+        )
     print(
         f"wrote {args.out}: sequential {fs['seq_read_MBps'][0]}..{max(fs['seq_read_MBps'])} MB/s, "
         f"small files {fs['small_reads_per_s'][0]}..{max(fs['small_reads_per_s'])}/s "

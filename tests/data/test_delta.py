@@ -1,7 +1,9 @@
-"""The delta codec: lossless and error-bounded round trips, its ratio, and packing through it."""
+"""The delta codec: lossless and error-bounded round trips (absolute and log1p), bias, ratio, packing."""
 
 from __future__ import annotations
 
+import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -9,13 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kaisoku.cli import cmd_pack
 from kaisoku.data.codecs import get_codec
 from kaisoku.data.cosmo import universe_arrays
 from kaisoku.data.dataset import ShardedDataset
-from kaisoku.data.delta import PREDICTORS, DeltaCodec
+from kaisoku.data.delta import PREDICTORS, DeltaCodec, delta_codec_name, parse_delta
 from kaisoku.data.format import read_index
 from kaisoku.data.writer import pack
-from kaisoku.errors import KaisokuError
+from kaisoku.errors import ConfigError, KaisokuError
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +65,75 @@ def test_error_bound_holds_for_every_value(volumes: tuple[np.ndarray, np.ndarray
     x, _ = volumes
     lossless, lossy = DeltaCodec(), get_codec(f"delta@{bound}")
     assert lossy.name == f"delta@{bound:g}"
+    errors = []
     for volume in x:
         back, size = _round_trip(lossy, volume)  # type: ignore[arg-type]
         assert int(np.abs(back.astype(np.int64) - volume).max()) <= bound
         assert back.min() >= volume.min()  # stays in the original's range: counts never go negative
         assert size < _round_trip(lossless, volume)[1]
+        errors.append(back.astype(np.float64) - volume)
+    error = np.concatenate([e.ravel() for e in errors])
+    assert abs(float(error.mean())) < 0.05 * bound < float(np.abs(error).mean())  # symmetric: no drift
     floats = np.cumsum(np.random.default_rng(1).normal(size=(4, 50)), axis=0)
     back, _ = _round_trip(DeltaCodec(0.01), floats)
     assert float(np.abs(back - floats).max()) <= 0.01
+
+
+@pytest.mark.parametrize("bound", [0.05, 0.2])
+def test_log1p_bound_holds_for_every_value_without_bias(
+    volumes: tuple[np.ndarray, np.ndarray], bound: float
+) -> None:
+    x, _ = volumes
+    codec = get_codec(f"delta@log1p:{bound}")
+    assert codec.name == delta_codec_name(bound, "log1p") and parse_delta(f"log1p:{bound}") == (
+        bound,
+        "log1p",
+    )
+    lossless = DeltaCodec()
+    errors, stored, exact = [], 0, 0
+    for volume in x:
+        back, size = _round_trip(codec, volume)  # type: ignore[arg-type]
+        error = np.log1p(back.astype(np.float64)) - np.log1p(volume.astype(np.float64))
+        assert float(np.abs(error).max()) <= bound  # every value, in the domain the model sees
+        small = volume <= 1  # neighbours further apart than the bound: kept exactly
+        assert np.array_equal(back[small], volume[small])
+        errors.append(error.ravel())
+        stored += size
+        exact += _round_trip(lossless, volume)[1]
+    error = np.concatenate(errors)
+    assert float(np.abs(error).max()) > bound / 2  # it did quantise
+    assert abs(float(error.mean())) < 0.12 * bound  # no systematic shift of what the model sees
+    assert stored < exact
+
+
+def test_lossless_payload_without_value_range_still_decodes(volumes: tuple[np.ndarray, np.ndarray]) -> None:
+    volume = volumes[0][0]
+    codec = DeltaCodec()
+    stored = codec.encode_array(volume.tobytes(), volume.dtype.str, volume.shape)
+    (size,) = struct.unpack_from("<I", stored, 1)
+    header = json.loads(stored[5 : 5 + size])
+    del header["range"]  # payloads written before the prediction tables: predicted value by value
+    meta = json.dumps(header).encode()
+    older = stored[:1] + struct.pack("<I", len(meta)) + meta + stored[5 + size :]
+    back = np.frombuffer(codec.decode(older), dtype=volume.dtype).reshape(volume.shape)
+    assert np.array_equal(back, volume)
+
+
+def test_log1p_mode_is_checked_once(tmp_path: Path, volumes: tuple[np.ndarray, np.ndarray]) -> None:
+    with pytest.raises(KaisokuError, match="unknown error mode"):
+        get_codec("delta@rel:0.1")
+    with pytest.raises(KaisokuError, match="needs an error bound"):
+        delta_codec_name(0, "log1p")
+    signed = np.array([[-3, 4], [5, 6]], dtype=np.int16)
+    with pytest.raises(KaisokuError, match="non-negative integer"):
+        get_codec("delta@log1p:0.1").encode_array(signed.tobytes(), signed.dtype.str, signed.shape)  # type: ignore[attr-defined]
+    x, y = volumes
+    np.savez(tmp_path / "set.npz", x_train=x[:2], y_train=y[:2])
+    args = [str(tmp_path / "set.npz"), str(tmp_path / "out"), "--codec", "delta", "--workers", "1"]
+    assert cmd_pack([*args, "--error-bound", "0.1", "--error-mode", "log1p"]) == 0
+    assert read_index(tmp_path / "out" / "train").codec == "delta@log1p:0.1"
+    with pytest.raises(ConfigError, match="needs --codec delta"):
+        cmd_pack([*args[:2], "--codec", "zstd", "--error-mode", "log1p"])
 
 
 def test_bad_bounds_and_unknown_codecs_are_refused() -> None:

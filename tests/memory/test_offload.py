@@ -69,6 +69,12 @@ def test_per_block_plan_mixes_every_technique(tmp_path: Path) -> None:
     approx = _grads(compressed, data)
     diff = torch.cat([(a - b).flatten() for a, b in zip(plain, approx)]).norm()
     assert 0 < float(diff / torch.cat([a.flatten() for a in plain]).norm()) < 1e-2
+    quantized = small_resnet()  # int8 blocks (the planner's other compression), bf16 elsewhere
+    apply_techniques(quantized, (["int8", "compress"] * 8)[: len(plan)])
+    approx = _grads(quantized, data)
+    diff = torch.cat([(a - b).flatten() for a, b in zip(plain, approx)]).norm()
+    # Per-tensor int8 is coarse on BatchNorm inputs: the bound of test_compress.py
+    assert 0 < float(diff / torch.cat([a.flatten() for a in plain]).norm()) < 0.3
 
 
 def test_bad_offload_dirs_are_refused_in_one_line(tmp_path: Path) -> None:
@@ -104,3 +110,52 @@ def test_pinned_offload_is_refused_without_cuda() -> None:
 
     with pytest.raises(ConfigError, match="memory.offload pinned needs a CUDA device"):
         PinnedOffload(torch.device("cpu"))
+
+
+def test_profile_offers_int8_and_models_each_backward(tmp_path: Path) -> None:
+    """The profile behind memory.budget: int8 holds less than bf16, every block's backward is costed, and
+    the model of the plain step (every block kept, plus the calibrated fixed part) is its measured rise."""
+    from kaisoku.memory.planner import minimum_peak
+    from kaisoku.memory.profile import profile_step
+
+    model = small_resnet()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    profile = profile_step(
+        model,
+        input_shape=(8, 3, 16, 16),
+        num_classes=5,
+        device=torch.device("cpu"),
+        offload="disk",
+        offload_dir=str(tmp_path),
+    )
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # profiling changes nothing
+    first = profile.blocks[0]
+    assert first.options["int8"].held_bytes < first.options["compress"].held_bytes < first.saved_bytes
+    assert all(block.backward_bytes > 0 for block in profile.blocks)
+    keep = dict.fromkeys(range(len(profile.blocks)), "keep")
+    modelled = minimum_peak(profile.blocks, profile.fixed, keep)
+    assert modelled >= profile.plain_peak
+    assert profile.fixed == 0 or modelled == profile.plain_peak
+
+
+def test_read_ahead_stays_within_a_block(tmp_path: Path) -> None:
+    """Under a per-block plan each block's hooks are a segment: backward of a block never reads an
+    earlier block's tensors back while its own are still held (what the planner's model assumes)."""
+    store = DiskOffload(str(tmp_path))
+    try:
+        store.begin()
+        x = torch.randn(64, 256, requires_grad=True)
+        with store.hooks():  # block 0: saves two tensors
+            y = (x * 2).tanh().sin().cos()
+        with store.hooks():  # block 1: saves two more
+            z = (y * 3).tanh().sin().cos()
+        handles = sorted(store._segments)
+        assert len(handles) == 4
+        assert store._ahead(handles[3], 4) == [handles[2]]
+        assert store._ahead(handles[1], 4) == [handles[0]]
+        z.sum().backward()  # and the gradients come back exact
+        plain = x.detach().clone().requires_grad_()
+        ((plain * 2).tanh().sin().cos() * 3).tanh().sin().cos().sum().backward()
+        assert x.grad is not None and torch.equal(x.grad, plain.grad)
+    finally:
+        store.close()

@@ -108,7 +108,7 @@ def test_budget_plan_is_logged_and_a_too_small_budget_refused(tmp_path) -> None:
     assert plans[0]["predicted_peak_bytes"] <= plans[0]["budget_bytes"]
     steps = [line for line in lines if "peak_memory_mib" in line and "step" in line]
     assert steps and all(line["peak_memory_mib"] > 0 for line in steps)
-    with pytest.raises(ConfigError, match=r"needs at least .* with everything recomputed") as info:
+    with pytest.raises(ConfigError, match=r"needs at least .* with its least-memory plan") as info:
         _trained(data, tmp_path / "small", budget="1KiB")
     assert "\n" not in str(info.value)
 

@@ -54,6 +54,42 @@ def test_bf16_batchnorm_over_1x1_maps_with_few_samples_is_finite_and_right() -> 
         assert torch.allclose(y.float(), reference, atol=0.05, rtol=0.02), f"seed {seed}"
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("direct", [False, True], ids=["autocast", "bf16-tensors"])
+def test_bf16_batchnorm_over_identical_1x1_samples_at_any_magnitude_is_finite(direct: bool) -> None:
+    # Identical samples over a 1x1 map: the variance is exactly 0 (or a rounding residue) at every scale.
+    for n, scale, seed in [(n, s, k) for n in (2, 4, 8) for s in (1e-3, 1.0, 300.0, 3e4) for k in range(2)]:
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.randn(1, 64, 1, 1, generator=g) * scale).expand(n, -1, -1, -1)
+        if seed:
+            x = x + torch.randn(n, 64, 1, 1, generator=g) * scale * 1e-3  # near-identical
+        x = x.to(torch.bfloat16).requires_grad_(True)
+        bn = nn.BatchNorm2d(64)
+        if direct:
+            params = [t.bfloat16() for t in (bn.running_mean, bn.running_var, bn.weight, bn.bias)]
+            y = nn.functional.batch_norm(x, *params, training=True)
+        else:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = bn(x)
+        y.backward(torch.randn(y.shape, generator=g).to(y.dtype))
+        assert x.grad is not None
+        for name, value in {"out": y, "input grad": x.grad, "running var": bn.running_var}.items():
+            assert torch.isfinite(value.float()).all(), f"{n} samples, scale {scale}, seed {seed}: {name}"
+        assert y.float().abs().max() < 10.0  # normalised: |y| <= sqrt(n - 1)
+
+
+def test_cross_entropy_with_label_smoothing_runs_in_float32_under_bf16_autocast() -> None:
+    g = torch.Generator().manual_seed(0)
+    fc = nn.Linear(512, 10)
+    h = torch.randn(6, 512, generator=g).mul(1e4).requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = fc(h)
+        loss = nn.functional.cross_entropy(logits, torch.arange(6), label_smoothing=0.1)
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    loss.backward()
+    assert torch.isfinite(loss) and h.grad is not None and torch.isfinite(h.grad).all()
+
+
 def _hook_rank(rank: int, world_size: int, tmp: Path, steps: int) -> float:
     from kaisoku.distributed.data_parallel import BucketPlan, wrap_ddp
 

@@ -90,14 +90,11 @@ class Lz4Codec:
 
 
 def _delta(error_bound: str = "0") -> Codec:
-    """The frame-predictive codec of :mod:`kaisoku.data.delta` (``delta``, or ``delta@E`` error-bounded)."""
-    from kaisoku.data.delta import DeltaCodec
+    """The frame-predictive codec of :mod:`kaisoku.data.delta` (``delta``, ``delta@E``, ``delta@log1p:E``)."""
+    from kaisoku.data.delta import DeltaCodec, parse_delta
 
-    try:
-        bound = float(error_bound)
-    except ValueError:
-        raise KaisokuError(f"codec delta@{error_bound}: the error bound must be a number") from None
-    return DeltaCodec(bound)
+    bound, mode = parse_delta(error_bound)
+    return DeltaCodec(bound, error_mode=mode)
 
 
 _FACTORIES: dict[str, type | object] = {"raw": RawCodec, "zstd": ZstdCodec, "lz4": Lz4Codec, "delta": _delta}

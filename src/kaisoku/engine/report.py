@@ -182,9 +182,10 @@ def finish_line(summary: dict[str, Any], run_dir: Path) -> str:
     return (f"{hint}\n" if hint else "") + "; ".join(parts)
 
 
-def data_hint(run_dir: Path) -> str | None:
+def data_hint(run_dir: Path, mounts_file: str = "/proc/self/mounts") -> str | None:
     """``kaisoku plan``'s one-line hint from the run's mean data-wait fraction and its data settings: only
-    for a packed dataset on a network or FUSE mount (image folders get the loader's pack hint)."""
+    for a packed dataset on a network or FUSE mount (image folders get the loader's pack hint).
+    ``mounts_file``: the mount table the data path's file-system type is looked up in."""
     import tomllib
 
     from kaisoku.data.folder import is_slow_mount, mount_type
@@ -196,7 +197,11 @@ def data_hint(run_dir: Path) -> str | None:
         return None
     data = tomllib.loads(config_file.read_text()).get("data", {})
     path = Path(str(data.get("path") or "")).expanduser()
-    if not data.get("path") or not (path / "index.json").exists() or not is_slow_mount(mount_type(path)):
+    if (
+        not data.get("path")
+        or not (path / "index.json").exists()
+        or not is_slow_mount(mount_type(path, mounts_file))
+    ):
         return None  # image folders have their own pack hint; a local source is not the I/O model's case
     return strategy_hint(
         sum(waits) / len(waits),

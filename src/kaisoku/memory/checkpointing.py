@@ -186,9 +186,9 @@ def apply_techniques(
     compress: str = "bf16",
     offload: Any = None,
 ) -> None:
-    """Run each ordered block of ``model`` with its technique: keep, compress, recompute or offload.
+    """Run each ordered block of ``model`` with its technique: keep, compress, int8, recompute or offload.
 
-    ``compress``: the mode of compressed blocks (bf16 or int8, one
+    ``compress``: the mode of ``compress`` blocks (bf16 or int8; ``int8`` blocks are int8; one
     :class:`~kaisoku.memory.compress.ActivationCompressor` each); ``offload``: a
     :mod:`kaisoku.memory.offload` store (its ``hooks()`` per block, its ``begin()`` once per step).
     """
@@ -203,8 +203,9 @@ def apply_techniques(
     for part, technique in zip(parts, techniques):
         if technique == "recompute":
             runners.append(CheckpointedBlock(part, "blocks"))
-        elif technique == "compress":
-            runners.append(HookedBlock(part, ActivationCompressor(compress).step))  # type: ignore[arg-type]
+        elif technique in ("compress", "int8"):
+            mode = "int8" if technique == "int8" else compress
+            runners.append(HookedBlock(part, ActivationCompressor(mode).step))  # type: ignore[arg-type]
         elif technique == "offload":
             runners.append(HookedBlock(part, offload.hooks))
         else:

@@ -5,7 +5,8 @@
 - ``int8``: stored as int8 with one scale per tensor. The scale comes from the tensor's recent history
   (the largest absolute maximum seen over the last :data:`HISTORY` steps at the same position in the
   step's sequence of saved tensors), not from the tensor itself; the new maximum is measured in the same
-  pass and joins the history. A value beyond the history's range saturates at +-127 steps. The first step
+  pass and joins the history. A value beyond the history's range saturates (at -128..127 steps on the CPU,
+  where one fused ``quantize_per_tensor`` pass packs a float32 tensor; +-127 elsewhere). The first step
   of a position has no history and uses the tensor's own maximum.
 
 Parameters, integer tensors and small tensors (under :data:`MIN_ELEMENTS`) are kept as they are. Not
@@ -15,6 +16,8 @@ exact: the tests and ``kaisoku bench memory`` state the tolerance.
 from __future__ import annotations
 
 import contextlib
+import math
+import warnings
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -29,6 +32,7 @@ CompressMode = Literal["none", "bf16", "int8"]
 #: Tensors smaller than this are not worth a conversion.
 MIN_ELEMENTS = 4096
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_ZERO = torch.zeros((), dtype=torch.long)
 
 
 def _compressible(tensor: torch.Tensor) -> bool:
@@ -56,10 +60,16 @@ class ActivationCompressor:
         position = self._position
         self._position += 1
         history = self._history.setdefault(position, AmaxHistory(HISTORY))
-        amax = tensor.detach().abs().amax().float()
+        amax = torch.linalg.vector_norm(tensor.detach(), ord=math.inf).float()  # one pass, no temporary
         reference = history.reference(amax)
         history.append(amax)
         scale = torch.clamp(reference, min=1e-12) / 127.0
+        if tensor.device.type == "cpu" and tensor.dtype == torch.float32:
+            # One fused pass (round half to even, saturating), the same values as the general path.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch marks quantized tensors as to be replaced
+                quantized = torch.quantize_per_tensor(tensor.detach(), scale, _ZERO, torch.qint8)
+            return ("qint8", tensor.dtype, quantized)
         quantized = torch.clamp(torch.round(tensor.detach() / scale.to(tensor.dtype)), -127, 127).to(
             torch.int8
         )
@@ -71,6 +81,8 @@ class ActivationCompressor:
             return packed
         if packed[0] == "bf16":
             return packed[2].to(packed[1])
+        if packed[0] == "qint8":
+            return packed[2].dequantize().to(packed[1])
         _, dtype, quantized, scale = packed
         return (quantized.float() * scale).to(dtype)
 

@@ -110,6 +110,9 @@ class _Registry:
 class _SavedTensorHooks:
     """What both offload targets share: the saved-tensors hooks around a step or a block."""
 
+    _segment: int = 0
+    _segments: dict[int, int]
+
     def _pack(self, tensor: torch.Tensor) -> Any:
         raise NotImplementedError
 
@@ -128,8 +131,27 @@ class _SavedTensorHooks:
             yield
 
     def hooks(self) -> Any:
-        """The saved-tensors hooks alone (for one block; :meth:`begin` once per step)."""
+        """The saved-tensors hooks alone (for one block; :meth:`begin` once per step).
+
+        Each call opens a segment: backward reads ahead only within the segment it is in, so a
+        block's backward never brings back an earlier block's tensors while its own are still held.
+        """
+        self._segment += 1
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _mark(self, index: int) -> None:
+        """Remember the segment the tensor of handle ``index`` was saved in."""
+        self._segments[index] = self._segment
+
+    def _ahead(self, index: int, count: int) -> list[int]:
+        """The handles saved just before ``index`` in its segment (what backward needs next), nearest first."""
+        segment = self._segments.get(index)
+        out = []
+        for ahead in range(index - 1, max(-1, index - 1 - count), -1):
+            if self._segments.get(ahead) != segment:
+                break
+            out.append(ahead)
+        return out
 
 
 class DiskOffload(_SavedTensorHooks):
@@ -152,6 +174,7 @@ class DiskOffload(_SavedTensorHooks):
         self.written_bytes = 0
         """Bytes written to files so far (all steps)."""
         self._registry = _Registry()
+        self._segments = {}
         self._meta: dict[int, tuple[torch.Size, tuple[int, ...], torch.dtype, torch.device]] = {}
         self._pending: dict[int, torch.Tensor] = {}  # saved, not yet written: still in memory
         self._pending_bytes = 0
@@ -199,6 +222,7 @@ class DiskOffload(_SavedTensorHooks):
                 self._pending[index] = tensor.detach()
                 self._pending_bytes += size
             self._meta[index] = (tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
+            self._mark(index)
             self._queue.put(index)
         return ("disk", index)
 
@@ -235,7 +259,7 @@ class DiskOffload(_SavedTensorHooks):
             if not last:
                 self._reads[index] = future
         # Read ahead in backward order: the tensors saved just before this one are needed next.
-        for ahead in range(index - 1, max(-1, index - 1 - self.read_ahead), -1):
+        for ahead in self._ahead(index, self.read_ahead):
             if ahead not in self._reads and ahead in self._meta and self._registry.uses.get(ahead, 0) > 0:
                 self._reads[ahead] = self._reader.submit(self._read, ahead)
         if self._error is not None:
@@ -259,6 +283,7 @@ class DiskOffload(_SavedTensorHooks):
         for stale in self.dir.glob("*.bin"):
             stale.unlink(missing_ok=True)
         self._meta.clear()
+        self._segments.clear()
 
     def close(self) -> None:
         """Stop the threads and remove the private directory."""
@@ -285,6 +310,7 @@ class PinnedOffload(_SavedTensorHooks):
         self.min_bytes = MIN_BYTES
         self.stream = torch.cuda.Stream(device)
         self._registry = _Registry()
+        self._segments = {}
         self._host: dict[int, tuple[torch.Tensor, torch.cuda.Event]] = {}
         self._back: dict[int, tuple[torch.Tensor, torch.cuda.Event]] = {}
 
@@ -301,6 +327,7 @@ class PinnedOffload(_SavedTensorHooks):
                 done.record(self.stream)
             tensor.record_stream(self.stream)  # its memory is reused only after the copy
             self._host[index] = (host, done)
+            self._mark(index)
         return ("pinned", index)
 
     def _fetch(self, index: int) -> None:
@@ -320,7 +347,7 @@ class PinnedOffload(_SavedTensorHooks):
         index = packed[1]
         last = self._registry.used(index)
         self._fetch(index)
-        for ahead in range(index - 1, max(-1, index - 1 - self.prefetch), -1):
+        for ahead in self._ahead(index, self.prefetch):
             self._fetch(ahead)  # the tensors backward needs next
         tensor, ready = self._back.pop(index) if last else self._back[index]
         current = torch.cuda.current_stream(self.device)
@@ -335,6 +362,7 @@ class PinnedOffload(_SavedTensorHooks):
     def begin(self) -> None:
         """Start a step: forget the previous one's host copies."""
         self._registry.clear()
+        self._segments.clear()
         self._host.clear()
         self._back.clear()
 

@@ -2,23 +2,26 @@
 
 A profile of one step (:mod:`kaisoku.memory.profile`) gives, per block of
 :func:`kaisoku.models.blocks.ordered_blocks`, a :class:`BlockCost`: the bytes the block keeps for backward,
-what each technique leaves held, and the time each adds. The peak of a step is modelled as
+what each technique leaves held, what it brings back at once during the block's backward, and the time
+it adds. The peak of a step is modelled phase by phase:
 
-    peak = fixed + sum(held of every block) + [max(transient) + late gradients, if any transient]
+    end of forward:        fixed + sum(held of every block)
+    backward of block k:   fixed + sum(held of blocks 0..k) + transient_k + backward_k
 
 where ``peak`` is what a step adds to the memory held between steps (weights and optimizer state are
-not part of it, as they are not of a budget), ``fixed`` is what a plan does not change (gradients, the
-backward pass's working set; calibrated by the profile's measured plain step) and the transient is what
-a technique brings back at once during the block's backward (a recomputed block's activations, the
-offload's read-ahead window); the gradients that exist by then (all of them late in backward; one
-parameter's with the update in backward) come on top of it.
-:func:`choose` minimises the added time under ``peak <= budget``: for each candidate transient cap it
-solves the multiple-choice knapsack exactly with a Pareto frontier of (bytes, seconds) over the blocks.
-Everything here is pure (no torch), unit-tested on hand-worked cases.
+not part of it, as they are not of a budget), ``fixed`` is what a plan does not change (calibrated by
+the profile's measured plain step), the blocks after k have been freed by the time block k's backward
+runs, ``transient_k`` is what the technique brings back at once (a recomputed block's activations, an
+offload's read-ahead window, one decompressed tensor) and ``backward_k`` what the backward pass of
+block k works with besides (the gradients that exist by then, its gradient tensors in and out).
+:func:`choose` minimises the added time under ``peak <= budget`` exactly: a Pareto frontier of
+(bytes held so far, seconds) over the blocks in order, dropping a partial plan as soon as one phase
+exceeds the budget. Everything here is pure (no torch), unit-tested on hand-worked cases.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,8 +29,10 @@ from dataclasses import dataclass, field
 from kaisoku.errors import ConfigError
 from kaisoku.units import format_bytes, parse_bytes
 
-TECHNIQUES = ("keep", "compress", "recompute", "offload")
-"""What the planner (or ``memory.policy``) can do with one block's saved activations."""
+TECHNIQUES = ("keep", "compress", "int8", "recompute", "offload")
+"""What the planner (or ``memory.policy``) can do with one block's saved activations: keep them,
+compress them (``memory.compress``'s mode, bf16 by default), compress them to int8, recompute them,
+offload them."""
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,8 @@ class Option:
     added_s: float
     """Seconds this technique adds to a step (0 for keep)."""
     transient_bytes: int = 0
-    """Bytes it brings back at once during the block's backward (recomputed activations, read-ahead)."""
+    """Bytes it brings back at once during the block's backward (recomputed activations, read-ahead,
+    a decompressed tensor)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,9 @@ class BlockCost:
     """Technique -> its cost; a technique missing here is not available for this block."""
     compress_error: float = 0.0
     """Relative error (L2) of the compressed saved tensors, for the log."""
+    backward_bytes: int = 0
+    """What the block's backward works with besides its saved tensors: the gradients that exist by
+    then and its gradient tensors in and out."""
 
 
 @dataclass(frozen=True)
@@ -86,23 +95,63 @@ def _ranges(techniques: Sequence[str]) -> list[tuple[str, str]]:
     return out
 
 
-def _frontier(
-    blocks: Sequence[BlockCost], allowed: Sequence[Sequence[str]]
-) -> list[tuple[int, float, tuple[str, ...]]]:
-    """Pareto frontier of (held bytes, added seconds, choice) over ``blocks`` (exact, no rounding)."""
-    front: list[tuple[int, float, tuple[str, ...]]] = [(0, 0.0, ())]
+_Item = tuple[int, float, tuple[str, ...], int]  # (held so far, seconds, choice, peak so far)
+
+
+def _phase(block: BlockCost, option: Option, held_before: int, fixed: int, extra: int) -> int:
+    """Modelled memory during ``block``'s backward with ``option`` after ``held_before`` bytes."""
+    return fixed + held_before + option.held_bytes + option.transient_bytes + block.backward_bytes + extra
+
+
+def _allowed(blocks: Sequence[BlockCost], forced: Mapping[int, str]) -> list[list[str]]:
+    out = []
+    for index, block in enumerate(blocks):
+        names = [forced[index]] if index in forced else list(block.options)
+        out.append([n for n in names if n in block.options])
+    if not all(out):
+        raise ConfigError("memory.policy leaves no technique available for some block")
+    return out
+
+
+def _plans(
+    blocks: Sequence[BlockCost], allowed: Sequence[Sequence[str]], fixed: int, extra: int, room: int | None
+) -> list[_Item]:
+    """Plans over ``blocks`` whose every phase fits ``room`` (None: no limit), Pareto-pruned.
+
+    With a room: the frontier of (held, seconds), the fastest for their held bytes (exact: the phases
+    still to come depend on the held bytes alone). Without: the frontier of (held, peak so far), for
+    the lowest peak of any plan.
+    """
+    front: list[_Item] = [(0, 0.0, (), 0)]
     for block, names in zip(blocks, allowed):
-        merged = [
-            (held + block.options[name].held_bytes, added + block.options[name].added_s, choice + (name,))
-            for held, added, choice in front
-            for name in names
-        ]
-        merged.sort(key=lambda item: (item[0], item[1]))
+        merged: list[_Item] = []
+        for held, added, choice, peak in front:
+            for name in names:
+                option = block.options[name]
+                phase = _phase(block, option, held, fixed, extra)
+                if room is not None and phase > room:
+                    continue
+                item = (held + option.held_bytes, added + option.added_s, choice + (name,), max(peak, phase))
+                merged.append(item)
+        second = 1 if room is not None else 3  # what a bigger held must beat: seconds, or the peak
+        merged.sort(key=lambda item: (item[0], item[second]))
         front = []
-        for item in merged:  # keep only plans that are faster than every smaller one
-            if not front or item[1] < front[-1][1]:
+        for item in merged:
+            if not front or item[second] < front[-1][second]:
                 front.append(item)
-    return front
+    return [(h, a, c, max(p, fixed + h)) for h, a, c, p in front if room is None or fixed + h <= room]
+
+
+def minimum_plan(
+    blocks: Sequence[BlockCost],
+    fixed: int,
+    forced: Mapping[int, str] | None = None,
+    backward_bytes: int = 0,
+) -> tuple[int, tuple[str, ...]]:
+    """The lowest modelled peak of any plan, and that plan (what "needs at least" reports)."""
+    plans = _plans(blocks, _allowed(blocks, forced or {}), fixed, backward_bytes, None)
+    best = min(plans, key=lambda item: (item[3], item[1]))
+    return best[3], best[2]
 
 
 def minimum_peak(
@@ -111,36 +160,8 @@ def minimum_peak(
     forced: Mapping[int, str] | None = None,
     backward_bytes: int = 0,
 ) -> int:
-    """The lowest modelled peak of any plan (what "needs at least" reports)."""
-    best = None
-    for cap, allowed in _caps(blocks, forced or {}):
-        front = _frontier(blocks, allowed)
-        if front:
-            peak = fixed + _late(cap, backward_bytes) + front[0][0]
-            best = peak if best is None else min(best, peak)
-    if best is None:
-        raise ConfigError("memory.policy leaves no technique available for some block")
-    return best
-
-
-def _late(cap: int, backward_bytes: int) -> int:
-    """What a transient of ``cap`` bytes adds: itself and the gradients that exist late in backward."""
-    return cap + backward_bytes if cap > 0 else 0
-
-
-def _caps(blocks: Sequence[BlockCost], forced: Mapping[int, str]) -> list[tuple[int, list[list[str]]]]:
-    """Per candidate transient cap: the techniques each block may use under it."""
-    caps = sorted({0, *(o.transient_bytes for b in blocks for o in b.options.values())})
-    out = []
-    for cap in caps:
-        allowed: list[list[str]] = []
-        for index, block in enumerate(blocks):
-            names = [forced[index]] if index in forced else list(block.options)
-            names = [n for n in names if n in block.options and block.options[n].transient_bytes <= cap]
-            allowed.append(names)
-        if all(allowed):
-            out.append((cap, allowed))
-    return out
+    """The lowest modelled peak of any plan."""
+    return minimum_plan(blocks, fixed, forced, backward_bytes)[0]
 
 
 def choose(
@@ -156,36 +177,27 @@ def choose(
 
     ``forced``: block index -> technique (``memory.policy``); ``headroom``: the fraction of the budget
     kept free for what the model does not see (allocator rounding, fragmentation);
-    ``backward_bytes``: what exists alongside a transient brought back late in the backward pass (the
-    gradients of the blocks after it), added whenever a plan recomputes or offloads. Raises
-    :class:`ConfigError` (one line, with the minimum) when no plan fits.
+    ``backward_bytes``: added to every block's own ``backward_bytes`` (what exists during any block's
+    backward). Raises :class:`ConfigError` (one line, with the minimum) when no plan fits.
     """
     forced = dict(forced or {})
     for index, name in forced.items():
         if name not in blocks[index].options:
             raise ConfigError(f"memory.policy: {name} is not available for block {index} on this run")
-    best: Plan | None = None
-    for cap, allowed in _caps(blocks, forced):
-        late = _late(cap, backward_bytes)
-        room = int(budget * (1 - headroom)) - fixed - late
-        fitting = [item for item in _frontier(blocks, allowed) if item[0] <= room]
-        if not fitting:
-            continue
-        held, added, choice = min(fitting, key=lambda item: (item[1], item[0]))
-        if (
-            best is None
-            or added < best.added_s
-            or (added == best.added_s and fixed + late + held < best.predicted_peak)
-        ):
-            best = Plan(techniques=choice, predicted_peak=fixed + late + held, added_s=added, budget=budget)
-    if best is None:
-        least = minimum_peak(blocks, fixed, forced, backward_bytes)
-        how = "recomputed or offloaded" if any("offload" in b.options for b in blocks) else "recomputed"
+    allowed = _allowed(blocks, forced)
+    room = int(budget * (1 - headroom))
+    fitting = _plans(blocks, allowed, fixed, backward_bytes, room)
+    if not fitting:
+        least, plan = minimum_plan(blocks, fixed, forced, backward_bytes)
+        if headroom < 1:  # the budget that leaves the headroom free above that peak
+            least = max(least, math.ceil(least / (1 - headroom)))
+        summary = ", ".join(f"{spec}:{tech}" for spec, tech in _ranges(plan))
         raise ConfigError(
             f"memory.budget {format_bytes(budget)} is too small: this model needs at least "
-            f"{format_bytes(least)} with everything {how}"
+            f"{format_bytes(least)} with its least-memory plan ({summary})"
         )
-    return best
+    held, added, choice, peak = min(fitting, key=lambda item: (item[1], item[3]))
+    return Plan(techniques=choice, predicted_peak=peak, added_s=added, budget=budget)
 
 
 def block_range(spec: str, count: int) -> range:

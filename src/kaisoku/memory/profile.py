@@ -37,14 +37,24 @@ from kaisoku.memory.offload import (
     build_offload,
     check_offload_dir,
 )
-from kaisoku.memory.planner import BlockCost, Option, Plan, choose, parse_budget, parse_policy, policy_plan
+from kaisoku.memory.planner import (
+    BlockCost,
+    Option,
+    Plan,
+    choose,
+    minimum_peak,
+    parse_budget,
+    parse_policy,
+    policy_plan,
+)
 from kaisoku.models.blocks import ordered_blocks
 from kaisoku.units import format_bytes
 
 #: Fraction of memory.budget the planner leaves free for what its model of the peak does not see.
-HEADROOM = 0.05
-#: Compression whose relative error exceeds this is not offered to the planner for that block.
-MAX_COMPRESS_ERROR = 0.02
+HEADROOM = 0.10
+#: Compression whose relative error (L2, worst saved tensor of the block) exceeds this is not offered to
+#: the planner for that block.
+MAX_COMPRESS_ERROR = {"bf16": 0.01, "int8": 0.05}
 
 
 @dataclass
@@ -52,12 +62,13 @@ class _Tally:
     """What one block's saved tensors add up to."""
 
     saved: int = 0
-    compressed: int = 0
     not_offloadable: int = 0
     offloadable: int = 0
     largest: int = 0
-    error: float = 0.0
-    compress_s: float = 0.0
+    largest_compressible: int = 0
+    compressed: dict[str, int] = field(default_factory=lambda: {"bf16": 0, "int8": 0})
+    error: dict[str, float] = field(default_factory=lambda: {"bf16": 0.0, "int8": 0.0})
+    compress_s: dict[str, float] = field(default_factory=lambda: {"bf16": 0.0, "int8": 0.0})
 
 
 @dataclass(frozen=True)
@@ -137,7 +148,8 @@ def profile_step(
     times = [0.0] * len(blocks)
     tallies = [_Tally() for _ in blocks]
     inputs = [0] * len(blocks)
-    compressor = ActivationCompressor(compress)  # type: ignore[arg-type]
+    outputs = [0] * len(blocks)
+    compressors = {mode: ActivationCompressor(mode) for mode in ("bf16", "int8")}  # type: ignore[arg-type]
     model.train()
 
     def count(tally: _Tally, seen: dict[int, Any], t: torch.Tensor) -> torch.Tensor:
@@ -146,27 +158,31 @@ def profile_step(
         if id(t) in seen and seen[id(t)]() is t:
             # Saved again by another operation: kept once as it is, but compressed once per save.
             if _compressible(t):
-                tally.compressed += t.numel() * (2 if compress == "bf16" else 1)
+                for mode in compressors:
+                    tally.compressed[mode] += t.numel() * (2 if mode == "bf16" else 1)
             return t
         seen[id(t)] = weakref.ref(t)  # a tensor saved by two operations counts once
         size = t.numel() * t.element_size()
         tally.saved += size
+        tally.largest = max(tally.largest, size)
         if _offloadable(t):
             tally.offloadable += size
-            tally.largest = max(tally.largest, size)
         else:
             tally.not_offloadable += size
         if not _compressible(t):
-            tally.compressed += size
+            for mode in compressors:
+                tally.compressed[mode] += size
             return t
-        start = time.perf_counter()
-        back = compressor._unpack(compressor._pack(t.detach()))
-        _sync(device)
-        tally.compress_s += time.perf_counter() - start
+        tally.largest_compressible = max(tally.largest_compressible, size)
         ref = t.detach().float()
-        error = float((back.float() - ref).norm() / ref.norm().clamp(min=1e-12))
-        tally.error = max(tally.error, error)
-        tally.compressed += t.numel() * (2 if compress == "bf16" else 1)
+        for mode, compressor in compressors.items():
+            start = time.perf_counter()
+            back = compressor._unpack(compressor._pack(t.detach()))
+            _sync(device)
+            tally.compress_s[mode] += time.perf_counter() - start
+            error = float((back.float() - ref).norm() / ref.norm().clamp(min=1e-12))
+            tally.error[mode] = max(tally.error[mode], error)
+            tally.compressed[mode] += t.numel() * (2 if mode == "bf16" else 1)
         return t
 
     def run(hooked: bool) -> None:
@@ -184,6 +200,7 @@ def profile_step(
                 start = time.perf_counter()
                 with hooks:
                     x = block(x)
+                outputs[index] = x.numel() * x.element_size()
                 _sync(device)
                 times[index] = time.perf_counter() - start
             loss = loss_fn(x, labels)
@@ -212,33 +229,46 @@ def profile_step(
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
         model.train(was_training)
-    params = [p.numel() * p.element_size() for p in model.parameters()]
+    grads = [sum(p.numel() * p.element_size() for p in block.parameters()) for block in blocks]
+    largest_param = max((p.numel() * p.element_size() for p in model.parameters()), default=0)
     costs = []
     for index, tally in enumerate(tallies):
         saved = tally.saved
+        # Its backward works with the gradients that exist by then (every block's from here on; one
+        # parameter's with the update in backward) and its gradient tensors: the one flowing in (its
+        # output's size) and the largest it makes (about its largest saved tensor).
+        late = largest_param if update_in_backward else sum(grads[index:])
         options = {
             "keep": Option(saved, 0.0),
             "recompute": Option(min(saved, inputs[index]), times[index], transient_bytes=saved),
         }
-        if tally.error <= MAX_COMPRESS_ERROR and tally.compressed < saved:
-            options["compress"] = Option(tally.compressed, tally.compress_s)
+        for mode, name in ((compress, "compress"), ("int8", "int8")):
+            if name == "int8" and compress == "int8":
+                continue  # the same as compress
+            if tally.error[mode] <= MAX_COMPRESS_ERROR[mode] and tally.compressed[mode] < saved:
+                options[name] = Option(
+                    tally.compressed[mode], tally.compress_s[mode], transient_bytes=tally.largest_compressible
+                )
         if bandwidth > 0 and tally.offloadable > 0:
             # Read-ahead window coming back, plus what waits for the writer during the forward pass.
             window = min(tally.offloadable, (read_ahead + 1) * tally.largest + MAX_PENDING)
             options["offload"] = Option(tally.not_offloadable, tally.offloadable / bandwidth, window)
-        costs.append(BlockCost(saved_bytes=saved, options=options, compress_error=tally.error))
+        costs.append(
+            BlockCost(
+                saved_bytes=saved,
+                options=options,
+                compress_error=tally.error[compress],
+                backward_bytes=late + tally.largest + outputs[index],
+            )
+        )
     rise = max(0, int(peak) - int(before))
     total_saved = sum(t.saved for t in tallies)
-    fixed = max(0, rise - total_saved)
-    # Late in backward every gradient exists (with the update in backward: about one at a time), and
-    # the backward pass of a block brought back works on about two activation-sized tensors of its own
-    # (the gradient flowing in and the one flowing out).
-    late = (max(params) if update_in_backward else sum(params)) if params else 0
-    late += 2 * max((t.largest for t in tallies), default=0)
-    notes = {"param_bytes": sum(params), "saved_bytes": total_saved, "offload_bytes_per_s": bandwidth}
-    return Profile(
-        blocks=costs, fixed=fixed, plain_peak=rise, source=source, backward_bytes=late, notes=notes
-    )
+    # Calibration: the part no plan changes is what the measured plain step shows beyond the model of
+    # plain (every block kept), at the phase where that model peaks.
+    modelled = minimum_peak(costs, 0, dict.fromkeys(range(len(costs)), "keep"))
+    fixed = max(0, rise - modelled)
+    notes = {"param_bytes": sum(grads), "saved_bytes": total_saved, "offload_bytes_per_s": bandwidth}
+    return Profile(blocks=costs, fixed=fixed, plain_peak=rise, source=source, backward_bytes=0, notes=notes)
 
 
 @dataclass
