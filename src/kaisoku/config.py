@@ -316,6 +316,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         (0 <= cfg.optim.kfac.factor_decay < 1, "optim.kfac.factor_decay must be in [0, 1)"),
         (cfg.optim.kfac.kl_clip >= 0, "optim.kfac.kl_clip must be >= 0"),
         (0 < cfg.optim.kfac.stat_fraction <= 1, "optim.kfac.stat_fraction must be in (0, 1]"),
+        (0 <= cfg.optim.kfac.overhead_target < 1, "optim.kfac.overhead_target must be in [0, 1)"),
         (cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps must be >= 0"),
     ]
     for ok, message in checks:

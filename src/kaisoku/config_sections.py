@@ -105,6 +105,8 @@ class KFACConfig:
     """Size of the flat buffers the factor statistics are all-reduced in, in MiB."""
     stat_fraction: float = 1.0
     """Share of each batch (its first samples) the Linear/conv factor statistics are computed on, in (0, 1]."""
+    overhead_target: float = 0.0
+    """0: factor_update_steps and inv_update_steps as given; in (0, 1): after 5 warm-up steps (4 timed), choose them (powers of two up to 128) so that K-FAC's amortised overhead (statistics, decompositions, preconditioning, measured; slowest rank) stays under this fraction of the plain step time; chosen once, logged, the same on every rank, kept on resume."""
 
 
 @dataclass(kw_only=True)

@@ -139,3 +139,29 @@ def test_bf16_compression_hook_on_bucket_views_with_accumulation(tmp_path: Path)
     worst = run_ranks(_hook_rank, 2, tmp_path, 6)
     # bf16 keeps 8 significant bits: the averaged gradient is within a few bf16 steps of fp32's.
     assert max(worst) < 2**-6
+
+
+def test_bf16_mode_keeps_every_normalization_in_float32_with_the_same_state() -> None:
+    from kaisoku.config_sections import PrecisionConfig
+    from kaisoku.models.zoo import build_model
+    from kaisoku.precision import apply_precision
+
+    model = build_model("resnet10", num_classes=10, size=16)
+    model.add_module("extra_norms", nn.Sequential(nn.LayerNorm(4), nn.GroupNorm(2, 4)))
+    keys = list(model.state_dict())
+    assert apply_precision(model, PrecisionConfig(mode="bf16"), torch.device("cpu")) is None
+    norms = [m for m in model.modules() if isinstance(m, (nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm))]
+    assert len(norms) > 3 and all(type(m).__name__.startswith("Float32") for m in norms)
+    assert list(model.state_dict()) == keys  # checkpoints stay interchangeable with fp32 runs
+    # A 1x1 map of near-identical samples (the resnet10 layer4 case): statistics in float32, finite.
+    bn = nn.BatchNorm2d(8)
+    apply_precision(bn, PrecisionConfig(mode="bf16"), torch.device("cpu"))
+    x = (1000.0 + 1e-3 * torch.randn(4, 8, 1, 1, generator=torch.Generator().manual_seed(0))).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = bn(x.bfloat16())
+    assert y.dtype == torch.float32
+    y.square().sum().backward()
+    assert torch.isfinite(y).all() and x.grad is not None and torch.isfinite(x.grad).all()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        z = model(torch.randn(2, 3, 16, 16))
+    assert torch.isfinite(z).all()

@@ -256,3 +256,14 @@ def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.tolist()
+
+
+def rank_zero_value(value: object, *, ready: ProcessGroupInit | None = None) -> object:
+    """Rank 0's ``value`` on every rank (one broadcast, after ``ready.wait()``); ``value`` itself on one rank.
+
+    For what every rank must do alike although each worked it out on its own (the memory plan, chosen
+    from measured timings): the other ranks' values are dropped.
+    """
+    if ready is not None:
+        ready.wait()
+    return broadcast_object(value, src=0)

@@ -74,7 +74,7 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     precision = Precision(cfg.precision.mode, device)
-    if cfg.precision.mode.endswith("-stats"):
+    if cfg.precision.mode != "fp32":
         from kaisoku.precision import apply_precision
 
         precision.monitor = apply_precision(
@@ -95,6 +95,9 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
             ),
             num_classes=cfg.model.num_classes or data.num_classes,
             autocast=precision.autocast,
+            # Every rank applies rank 0's plan (waits for the process group only when it plans).
+            agree=functools.partial(env.rank_zero_value, ready=pg_init) if world.distributed else None,
+            ranks=world.world_size,
         )
     # Under hybrid parallelism each rank's optimizer covers its stage only; the engine builds it.
     optimizer = None if hybrid else build_optimizer(model, cfg.optim)
@@ -198,6 +201,13 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
         progress=cfg.metrics.progress,
         tensorboard=cfg.metrics.tensorboard,
     )
+    if hasattr(getattr(engine, "preconditioner", None), "on_intervals"):  # K-FAC's cost-adapted intervals
+
+        def announce_intervals(record: dict[str, Any], text: str) -> None:
+            metrics.log(record)
+            metrics.message(text)
+
+        engine.preconditioner.on_intervals = announce_intervals
     trainer = Trainer(
         engine=engine,
         precision=precision,
@@ -276,6 +286,7 @@ def _build_kfac(
         grad_accum=cfg.train.grad_accum,
         bucket_cap_mb=k.bucket_cap_mb,
         stat_fraction=k.stat_fraction,
+        overhead_target=k.overhead_target,
         grad_scaler=precision.scaler,  # K-FAC builds G from unscaled gradients under fp16
         process_group=group,
     )

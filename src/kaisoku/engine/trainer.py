@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from kaisoku.data.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize
+from kaisoku.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from kaisoku.distributed import env
 from kaisoku.engine.checkpoint import CheckpointManager
 from kaisoku.engine.divergence import (
@@ -24,6 +24,7 @@ from kaisoku.engine.divergence import (
 )
 from kaisoku.engine.metrics import MetricsLogger, interval_peak_memory_mib, peak_memory_mib
 from kaisoku.engine.step import MicroBatches, Precision, StepEngine
+from kaisoku.engine.tasks import make_task
 from kaisoku.errors import KaisokuError
 
 
@@ -117,6 +118,9 @@ class Trainer:
         self.train_sampler = train_sampler
         self.val_loader = val_loader
         self.settings = settings
+        self.task = make_task(
+            settings.task, mean=settings.mean, std=settings.std, channels_last=settings.channels_last
+        )
         self.world = world
         self.device = device
         self.metrics = metrics
@@ -290,12 +294,7 @@ class Trainer:
     def _prepare(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         images = images.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
-        if self.settings.task == "regression":
-            return images, labels  # volumes arrive as float (log1p in the loader)
-        images = normalize(images, self.settings.mean, self.settings.std)
-        if self.settings.channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
-        return images, labels
+        return self.task.prepare(images, labels)
 
     def train_step(self, micro_batches: MicroBatches) -> torch.Tensor:
         """One optimizer step over ``micro_batches``; returns the mean loss as a device tensor (no sync)."""
@@ -324,55 +323,25 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """Loss and top-1 accuracy over the whole validation set, all-reduced over ranks."""
+        """The task's validation figures (loss and top-1 accuracy, or MSE and MAE per target) over the
+        whole validation set, all-reduced over ranks."""
         if self.val_loader is None:
             return {}
         model = self.engine.eval_model()
         model.eval()
-        if self.settings.task == "regression":
-            return self._validate_regression(model)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        correct = torch.zeros((), dtype=torch.float64, device=self.device)
-        seen = 0
-        for images, labels in self.val_loader:
-            images, labels = self._prepare(images, labels)
-            with self.precision.autocast():
-                logits = model(images)
-            loss_sum += nn.functional.cross_entropy(logits.float(), labels, reduction="sum").double()
-            correct += (logits.argmax(dim=1) == labels).sum().double()
-            seen += labels.numel()
-        totals = env.all_reduce_sum([loss_sum.item(), correct.item(), float(seen)], self.device)
-        model.train()
-        count = max(totals[2], 1.0)
-        return {
-            "val_loss": totals[0] / count,
-            "val_accuracy": totals[1] / count,
-            "val_samples": int(totals[2]),
-        }
-
-    def _validate_regression(self, model: nn.Module) -> dict[str, float]:
-        """Mean squared error (``val_loss``) and mean absolute error, overall and per target."""
         sums: torch.Tensor | None = None
         seen = 0
-        for inputs, targets in self.val_loader or ():
+        for inputs, targets in self.val_loader:
             inputs, targets = self._prepare(inputs, targets)
             with self.precision.autocast():
-                predicted = model(inputs).float()
-            error = predicted - targets.float()
-            batch = torch.cat([(error**2).mean(dim=1).sum().view(1), error.abs().sum(dim=0)]).double()
+                outputs = model(inputs)
+            batch = self.task.validation_sums(outputs, targets)
             sums = batch if sums is None else sums + batch
             seen += targets.shape[0]
-        values = [float(v) for v in sums.tolist()] if sums is not None else []
+        values = [float(v) for v in (sums if sums is not None else self.task.empty_sums()).tolist()]
         totals = env.all_reduce_sum([*values, float(seen)], self.device)
         model.train()
-        count = max(totals[-1], 1.0)
-        per_target = [v / count for v in totals[1:-1]]
-        return {
-            "val_loss": totals[0] / count if values else float("nan"),
-            "val_mae": sum(per_target) / max(len(per_target), 1),
-            **{f"val_mae_{k}": v for k, v in enumerate(per_target)},
-            "val_samples": int(totals[-1]),
-        }
+        return self.task.validation_metrics(totals[:-1], totals[-1])
 
     # ------------------------------------------------------------------------------------------------
     # Loop

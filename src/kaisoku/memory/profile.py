@@ -9,7 +9,9 @@ weights, buffers and the RNG come back as they were: profiling changes nothing i
 
 :func:`setup_memory` is what ``kaisoku train`` calls: global ``memory.recompute`` / ``compress`` /
 ``offload``, or with ``memory.budget`` / ``memory.policy`` the per-block plan, applied through
-:func:`~kaisoku.memory.checkpointing.apply_techniques`.
+:func:`~kaisoku.memory.checkpointing.apply_techniques`. Under data parallelism every rank profiles, and
+every rank then applies rank 0's plan (its ``agree`` callable): the plan the log shows is what each rank
+does.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kaisoku.errors import ConfigError
 from kaisoku.memory.checkpointing import apply_recompute, apply_techniques
 from kaisoku.memory.compress import ActivationCompressor, _compressible
 from kaisoku.memory.measure import read_peak_bytes, read_rss_bytes, reset_peak
@@ -55,6 +58,9 @@ HEADROOM = 0.10
 #: Compression whose relative error (L2, worst saved tensor of the block) exceeds this is not offered to
 #: the planner for that block.
 MAX_COMPRESS_ERROR = {"bf16": 0.01, "int8": 0.05}
+#: Tests only: when set, :func:`setup_memory` plans from ``_adjust_profile(profile)`` (a seam that makes
+#: one rank's measurements differ from another's without touching the collective).
+_adjust_profile: Callable[[Profile], Profile] | None = None
 
 
 @dataclass
@@ -282,7 +288,9 @@ class MemorySetup:
     offload: DiskOffload | PinnedOffload | None = None
     """The offload store in use (closed at the end of the run), or None."""
     profile: Profile | None = None
-    """The profile the plan was chosen from (memory.budget only)."""
+    """The profile the plan was chosen from (memory.budget only; rank 0's is the one the plan comes from)."""
+    ranks: int = 1
+    """Ranks that apply this same plan (every rank of the run)."""
 
     def record(self) -> dict[str, Any]:
         """The plan as a ``metrics.jsonl`` event (empty when there is none)."""
@@ -295,6 +303,7 @@ class MemorySetup:
             "budget_bytes": self.plan.budget,
             "predicted_peak_bytes": self.plan.predicted_peak,
             "added_s": round(self.plan.added_s, 6),
+            "shared_by_ranks": self.ranks,
         }
         if self.profile is not None:
             record["plain_peak_bytes"] = self.profile.plain_peak
@@ -307,9 +316,10 @@ class MemorySetup:
         if self.plan is None:
             return ""
         budget = f" for memory.budget {format_bytes(self.plan.budget)}" if self.plan.budget else ""
+        shared = f", rank 0's plan shared by all {self.ranks} ranks" if self.ranks > 1 else ""
         return (
             f"memory plan{budget}: {self.plan.summary()} (predicted peak "
-            f"{format_bytes(self.plan.predicted_peak)}, +{self.plan.added_s * 1000:.1f} ms per step)"
+            f"{format_bytes(self.plan.predicted_peak)}, +{self.plan.added_s * 1000:.1f} ms per step{shared})"
         )
 
 
@@ -322,9 +332,16 @@ def setup_memory(
     num_classes: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     autocast: Callable[[], Any] = contextlib.nullcontext,
+    agree: Callable[[Any], Any] | None = None,
+    ranks: int = 1,
 ) -> MemorySetup:
-    """Apply ``memory`` (a :class:`~kaisoku.config_sections.MemoryConfig`) to the bare ``model``."""
-    setup = MemorySetup()
+    """Apply ``memory`` (a :class:`~kaisoku.config_sections.MemoryConfig`) to the bare ``model``.
+
+    ``agree``: under data parallelism, a collective that returns rank 0's value on every rank
+    (:func:`kaisoku.distributed.env.rank_zero_value`); every rank calls it once with memory.budget, and
+    applies the plan it returns. None on a single rank. ``ranks``: the number of ranks, for the log.
+    """
+    setup = MemorySetup(ranks=ranks)
     offload_mode = memory.offload
     planned = bool(memory.budget or memory.policy.strip())
     if offload_mode == "none" and planned and (memory.offload_dir or device.type == "cuda"):
@@ -359,15 +376,30 @@ def setup_memory(
             offload_dir=memory.offload_dir,
             update_in_backward=memory.update_in_backward,
         )
+        if _adjust_profile is not None:
+            profile = _adjust_profile(profile)
         setup.profile = profile
-        setup.plan = choose(
-            profile.blocks,
-            fixed=profile.fixed,
-            budget=budget,
-            forced=forced,
-            headroom=HEADROOM,
-            backward_bytes=profile.backward_bytes,
-        )
+        outcome: Plan | str
+        try:
+            outcome = choose(
+                profile.blocks,
+                fixed=profile.fixed,
+                budget=budget,
+                forced=forced,
+                headroom=HEADROOM,
+                backward_bytes=profile.backward_bytes,
+            )
+        except ConfigError as error:
+            outcome = str(error)  # raised after agreeing, on every rank alike: no rank waits for one gone
+        if agree is not None:
+            # The profile holds measured times, so each rank could pick a different plan (and compression
+            # is inexact). Rank 0's plan goes to every rank: the ranks are replicas (same model, same batch
+            # per rank), their profiles differ by timing noise only, and rank 0's plan is the one logged.
+            # (Max-reducing the profiles instead would log figures no rank measured.)
+            outcome = agree(outcome)
+        if isinstance(outcome, str):
+            raise ConfigError(outcome)
+        setup.plan = outcome
     else:
         setup.plan = Plan(techniques=policy_plan(count, forced), predicted_peak=0, added_s=0.0, budget=0)
     if "offload" in setup.plan.techniques:

@@ -2,12 +2,14 @@
 
 ``KFAC(model, ...)`` hooks Linear, Conv1d, Conv2d and BatchNorm layers, keeps running-average factors, and
 ``KFAC.step()`` replaces their gradients with preconditioned ones. Factor statistics are summed over the
-data-parallel ranks; decompositions are spread over the ranks by ``greedy_assignment``.
+data-parallel ranks; decompositions are spread over the ranks by ``greedy_assignment``; with
+``overhead_target`` the update intervals are chosen from the measured cost (``choose_intervals``).
 """
 
 from __future__ import annotations
 
 from kaisoku.optim.kfac.assignment import bucket_plan, decomposition_cost, greedy_assignment, rank_loads
+from kaisoku.optim.kfac.intervals import choose_intervals
 from kaisoku.optim.kfac.layers import SingularFactorError
 from kaisoku.optim.kfac.preconditioner import BN_MODES, KFAC, MEMORY_MODES, METHODS, KFACWarning
 
@@ -19,6 +21,7 @@ __all__ = [
     "METHODS",
     "SingularFactorError",
     "bucket_plan",
+    "choose_intervals",
     "decomposition_cost",
     "greedy_assignment",
     "rank_loads",

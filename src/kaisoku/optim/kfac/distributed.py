@@ -115,3 +115,15 @@ def broadcast_from_owners(per_rank: Sequence[Sequence[torch.Tensor]], comm: Comm
             tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
             offset += tensor.numel()
     return time.perf_counter() - start
+
+
+def agree_max(values: Sequence[float], comm: Communicator, device: torch.device) -> list[float]:
+    """The element-wise maximum of ``values`` over the ranks (the values themselves on one process).
+
+    Every rank gets the same floats, so a pure function of them gives the same answer everywhere.
+    """
+    if not comm.distributed:
+        return [float(v) for v in values]
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=comm.group)
+    return [float(v) for v in tensor.tolist()]

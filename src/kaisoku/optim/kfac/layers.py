@@ -126,6 +126,13 @@ class Clock:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.sync = False
+
+    def now(self) -> float:
+        """``time.perf_counter()``, after waiting for the GPU when ``sync`` is set (while K-FAC times phases)."""
+        if self.sync and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     def add(self, phase: str, seconds: float) -> None:
         """Add ``seconds`` to ``phase``."""
@@ -203,14 +210,14 @@ class KFACLayer:
                 return
             if not (isinstance(output, torch.Tensor) and output.requires_grad):
                 return
-            start = time.perf_counter()
+            start = clock.now()
             context = self._on_forward(inputs[0].detach())
-            clock.add("factor", time.perf_counter() - start)
+            clock.add("factor", clock.now() - start)
 
             def grad_hook(grad: torch.Tensor) -> None:
-                start = time.perf_counter()
+                start = clock.now()
                 self._on_backward(grad.detach(), context, grad_scale())
-                clock.add("factor", time.perf_counter() - start)
+                clock.add("factor", clock.now() - start)
 
             # A hook on the output tensor sees d loss / d output even when a later in-place op
             # (ReLU(inplace=True)) modifies that tensor.

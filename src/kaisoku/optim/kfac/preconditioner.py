@@ -15,12 +15,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from kaisoku.errors import ConfigError
 from kaisoku.optim.kfac.assignment import decomposition_cost, greedy_assignment, rank_loads
+from kaisoku.optim.kfac.checkpoint import load_state, save_state
 from kaisoku.optim.kfac.distributed import (
     BucketedAllReduce,
     Communicator,
+    agree_max,
     broadcast_from_owners,
     resolve_group,
 )
+from kaisoku.optim.kfac.intervals import MAX_INTERVAL, IntervalTuner
 from kaisoku.optim.kfac.layers import (
     BatchNormLayer,
     Clock,
@@ -115,6 +118,12 @@ class KFAC:
         stat_fraction: share of each batch (its first ``ceil(fraction * N)`` samples, in (0, 1]) the
             Linear and convolution factor statistics are computed on; 1 uses the whole batch. The
             sub-sample's factors estimate the whole batch's at a fraction of the cost.
+        overhead_target: 0 keeps the intervals given; in (0, 1): the first steps update the factors and
+            decompositions at every step and are timed, then ``choose_intervals`` picks the intervals
+            (powers of two up to ``max_interval``) that keep K-FAC's amortised overhead under this
+            fraction of the plain step, from the maximum of each phase over the ranks (the same choice
+            everywhere). The choice is logged and kept in ``state_dict()``; ``intervals`` holds it.
+        max_interval: cap on the chosen intervals.
     """
 
     def __init__(
@@ -136,6 +145,8 @@ class KFAC:
         grad_accum: int = 1,
         bucket_cap_mb: float = 25.0,
         stat_fraction: float = 1.0,
+        overhead_target: float = 0.0,
+        max_interval: int = MAX_INTERVAL,
     ) -> None:
         if method not in METHODS:
             raise ConfigError(f"K-FAC method must be one of {', '.join(METHODS)}, got '{method}'")
@@ -158,6 +169,10 @@ class KFAC:
             raise ConfigError(f"K-FAC bucket_cap_mb must be positive, got {bucket_cap_mb}")
         if not 0 < stat_fraction <= 1:
             raise ConfigError(f"K-FAC stat_fraction must be in (0, 1], got {stat_fraction}")
+        if not 0 <= overhead_target < 1 or max_interval < 1:
+            raise ConfigError(
+                f"K-FAC overhead_target must be in [0, 1) and max_interval >= 1, got {overhead_target}, {max_interval}"
+            )
         self.factor_update_steps = factor_update_steps
         self.inv_update_steps = inv_update_steps
         self.damping = damping
@@ -174,6 +189,9 @@ class KFAC:
         self.steps = 0
         self.clock = Clock()
         self._refresh = False
+        self._tuner = IntervalTuner(overhead_target, max_interval) if overhead_target > 0 else None
+        #: Called on every rank with a ``metrics.jsonl`` record and a log line when intervals are chosen.
+        self.on_intervals: Callable[[dict[str, Any], str], None] | None = None
 
         inner = model.module if isinstance(model, DistributedDataParallel) else model
         skip = set(skip_layers)
@@ -206,6 +224,7 @@ class KFAC:
                 ", ".join(skipped),
             )
         self.skipped_layers = skipped
+        self.clock.sync = self._tuner is not None and any(p.is_cuda for p in inner.parameters())
 
         # Work items: one per factor in "full" mode (finer balance), one per layer in "owner" mode (the
         # owner needs both factors to precondition).
@@ -227,6 +246,8 @@ class KFAC:
 
     # -- schedule ------------------------------------------------------------------------------------
     def _collecting(self) -> bool:
+        if self._tuner is not None and self._tuner.tuning:
+            return True
         return self.steps % max(1, int(_at(self.factor_update_steps, self.steps))) == 0
 
     def _grad_scale(self) -> float:
@@ -273,20 +294,52 @@ class KFAC:
         preconditioned, KL-clipped gradient. Call after ``backward()``, before ``optimizer.step()``."""
         step = self.steps
         damping = float(_at(self.damping, step))
+        tuner = self._tuner if self._tuner is not None and self._tuner.tuning else None
+        marks = [self.clock.now()] if tuner is not None else []
+        factor_at_enter = self.clock.seconds.get("factor", 0.0)
         factor_step = self._collecting()
         inverse_step = step % max(1, int(_at(self.inv_update_steps, step))) == 0 or self._refresh
+        inverse_step = inverse_step or tuner is not None
         self._refresh = False
-        if factor_step:
-            self._update_factors(damping if inverse_step else None)
-        elif inverse_step:
+        if factor_step:  # while tuning, statistics and decompositions are timed apart
+            self._update_factors(damping if inverse_step and tuner is None else None)
+        if tuner is not None:
+            marks.append(self.clock.now())
+        if inverse_step and (tuner is not None or not factor_step):
             for layer in self._kron:
                 self._decompose_owned(layer, damping)
         if inverse_step and self.memory_mode == "full":
             self._share_decompositions()
+        if tuner is not None:
+            marks.append(self.clock.now())
         self._precondition_all(damping)
         for layer in self.layers.values():
             layer.reset_stats()
         self.steps += 1
+        if tuner is not None:
+            tuner.record([*marks, self.clock.now()], factor_at_enter, self.clock.seconds.get("factor", 0.0))
+            if tuner.ready():
+                self._choose_intervals(tuner)
+
+    @property
+    def intervals(self) -> tuple[int, int] | None:
+        """``(factor_update_steps, inv_update_steps)`` chosen from measured cost, or None (fixed, or not yet)."""
+        return None if self._tuner is None else self._tuner.chosen
+
+    def _choose_intervals(self, tuner: IntervalTuner) -> None:
+        device = next((layer.device for layer in self.layers.values()), torch.device("cpu"))
+        tuner.decide(agree_max(tuner.medians(), self.comm, device))
+        self._adopt(tuner)
+        if self.comm.rank == 0:
+            logger.info("%s", tuner.message())
+        if self.on_intervals is not None:
+            record = {"event": "kfac_intervals", "step": self.steps, "target": tuner.target}
+            self.on_intervals({**record, **(tuner.state_dict() or {})}, tuner.message())
+
+    def _adopt(self, tuner: IntervalTuner) -> None:
+        assert tuner.chosen is not None
+        self.factor_update_steps, self.inv_update_steps = tuner.chosen
+        self.clock.sync = False
 
     def _update_factors(self, decompose_damping: float | None) -> None:
         """All-reduce the statistic sums and counts in buckets; blend each layer's factors as its bucket
@@ -490,61 +543,14 @@ class KFAC:
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Step, factors, damping floors and the decompositions this rank holds (all of them in "full"
-        mode; in "owner" mode only its own, the rest are recomputed from the factors on resume).
-
-        A local operation (no collective); tensors are copies.
-        """
-        layers: dict[str, Any] = {}
-        for name, layer in self.layers.items():
-            entry: dict[str, Any] = {
-                "factors": [None if f is None else f.detach().clone() for f in layer.factors],
-                "damping_floor": layer.damping_floor,
-            }
-            if name in self._decompositions:
-                entry["decomposition"] = [
-                    None if held is None else [t.detach().clone() for t in held]
-                    for held in self._decompositions[name]
-                ]
-            layers[name] = entry
-        return {"steps": self.steps, "method": self.method, "bn": self.bn, "layers": layers}
+        """Step, factors, damping floors, the chosen intervals and the decompositions this rank holds
+        (all of them in "full" mode; in "owner" mode only its own, the rest are recomputed from the
+        factors on resume). A local operation (no collective); tensors are copies."""
+        return save_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` saved; the next ``step()`` continues where that run stopped.
 
         Raises ``ConfigError`` when the saved layers do not match this model's.
         """
-        saved = state["layers"]
-        if set(saved) != set(self.layers):
-            missing = sorted(set(self.layers) - set(saved))
-            extra = sorted(set(saved) - set(self.layers))
-            raise ConfigError(
-                "K-FAC state does not match the model: "
-                f"layers missing from the state {missing[:5]}, unknown layers in the state {extra[:5]}"
-            )
-        if state.get("bn", self.bn) != self.bn:
-            raise ConfigError(f"K-FAC state was saved with bn='{state['bn']}', this run uses '{self.bn}'")
-        same_method = state.get("method") == self.method
-        self.steps = int(state["steps"])
-        refresh = False
-        for name, layer in self.layers.items():
-            entry = saved[name]
-            layer.factors = [
-                None if f is None else f.detach().to(layer.device, torch.float32, copy=True)
-                for f in entry["factors"]
-            ]
-            layer.damping_floor = float(entry["damping_floor"])
-            if name not in self._decompositions:
-                continue
-            stored = entry.get("decomposition") if same_method else None
-            held: list[list[torch.Tensor] | None] = [None, None]
-            for index in range(2):
-                if stored is not None and stored[index] is not None:
-                    held[index] = [
-                        t.detach().to(layer.device, torch.float32, copy=True) for t in stored[index]
-                    ]
-                needed = self.memory_mode == "full" or self.owner(name, index) == self.comm.rank
-                if layer.factors[index] is not None and needed and held[index] is None:
-                    refresh = True
-            self._decompositions[name] = held
-        self._refresh = refresh
+        load_state(self, state)
