@@ -65,7 +65,8 @@ class ActivationCompressor:
         history.append(amax)
         scale = torch.clamp(reference, min=1e-12) / 127.0
         if tensor.device.type == "cpu" and tensor.dtype == torch.float32:
-            # One fused pass (round half to even, saturating), the same values as the general path.
+            # One fused pass (round half to even); the same values as the general path short of
+            # saturation, where it clips to -128..127 rather than +-127.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # torch marks quantized tensors as to be replaced
                 quantized = torch.quantize_per_tensor(tensor.detach(), scale, _ZERO, torch.qint8)
