@@ -10,10 +10,10 @@ the same mount at once), per strategy, two epochs with the page cache dropped be
 
 * per-file: each node reads its share of the files in a keyed random order with 8 threads;
 * staged-global, staged-block, partial-Q0.25, local-only: each node runs the data path ``kaisoku train``
-  builds for packed data with its default ``data.loader threads`` (:func:`_train_node`:
-  :class:`~kaisoku.data.cache.NodeCache` staging shards into a local folder and /dev/shm,
-  :class:`~kaisoku.data.dataset.ShardedDataset` decoding, :class:`~kaisoku.data.sampler.EpochSampler`,
-  the sample exchange, :class:`~kaisoku.data.batches.ThreadedBatches` with 2 threads).
+  builds for packed data with its default ``data.loader threads`` (:func:`_train_node`: the
+  :class:`~kaisoku.data.loader.ShardLoader` of :func:`kaisoku.engine.data_build.shard_loader`, built from a
+  config: its node cache staging shards into a local folder and /dev/shm, the sample exchange, 2 decoding
+  threads).
 
 An epoch's time is the slowest node's, from a barrier after the page cache is dropped to its last batch:
 the first epoch includes building the node cache and all staging; process start-up and imports (the
@@ -44,7 +44,7 @@ import numpy as np
 from kaisoku.bench import netfs
 from kaisoku.bench.common import goal, record_and_show
 from kaisoku.bench.imagesets import BATCH, SEED, data_root, image_set, log
-from kaisoku.bench.slowfs_readers import CacheDirs, _file_bytes, _node_cache, _sampler
+from kaisoku.bench.slowfs_readers import CacheDirs, _file_bytes
 from kaisoku.data.shuffle import ShuffleSpec
 from kaisoku.distributed.spawn import run_ranks
 from kaisoku.plan_cluster import cluster_from_dict, load_cluster, load_dataset
@@ -101,22 +101,36 @@ def _perfile_node(rank: int, world_size: int, tmp: Path, paths: list[str]) -> li
 def _train_node(
     rank: int, world_size: int, tmp: Path, pack_dir: str, spec: ShuffleSpec, dirs: CacheDirs, threads: int
 ) -> list[float]:
-    """Two epochs of one node on the data path ``kaisoku train`` builds for packed data (its default
-    ``data.loader threads``): a :class:`~kaisoku.data.cache.NodeCache`, the sample exchange, and
-    :class:`~kaisoku.data.batches.ThreadedBatches` decoding in this process. Each epoch is timed from a
-    barrier (page cache dropped) to its last batch; the first includes building the cache (staging)."""
+    """Two epochs of one node on the :class:`~kaisoku.data.loader.ShardLoader` that ``kaisoku train``
+    builds for packed data (:func:`kaisoku.engine.data_build.shard_loader` from a config: its default
+    ``data.loader threads``, the node cache, the exchange). Each epoch is timed from a barrier (page cache
+    dropped) to its last batch; the first includes building the cache (staging)."""
+    import torch
     import torch.distributed as dist
 
     from kaisoku.bench.imagesets import flip_transform
-    from kaisoku.data.batches import ThreadedBatches
+    from kaisoku.config import Config
+    from kaisoku.config_sections import ByteSize
     from kaisoku.data.dataset import ShardedDataset
-    from kaisoku.data.exchange import exchange_for_epoch
-    from kaisoku.data.format import read_index
-    from kaisoku.data.loader import _ExchangedSamples
-    from kaisoku.data.sampler import KeyedMicroBatches
+    from kaisoku.distributed.env import World
+    from kaisoku.engine.data_build import shard_loader
 
+    ram, local = dirs.node(f"node{rank}")
+    cfg = Config()
+    cfg.data.path = pack_dir
+    cfg.data.global_batch = BATCH
+    cfg.data.workers = threads
+    cfg.data.shuffle = spec.name  # type: ignore[assignment]
+    cfg.data.exchange = spec.exchange
+    cfg.data.block_shards = spec.block_shards
+    cfg.data.local_cache, cfg.data.local_capacity = str(local), ByteSize(dirs.capacity)
+    cfg.data.ram_dir, cfg.data.ram_capacity = str(ram), ByteSize(dirs.capacity)
+    cfg.train.seed, cfg.train.epochs = SEED, 2
+    world = World(rank=rank, world_size=world_size, local_world_size=1, node=rank, num_nodes=world_size)
+    dataset = ShardedDataset(pack_dir, transform=flip_transform(64))
+    loader = shard_loader(cfg, world, torch.device("cpu"), dataset)
+    loader.connect(run_token=f"plan-{tmp.name}")
     out: list[float] = []
-    cache = None
     try:
         for epoch in range(2):
             dist.barrier()
@@ -124,23 +138,12 @@ def _train_node(
                 netfs.drop_caches()
             dist.barrier()
             start = time.perf_counter()
-            if cache is None:
-                index = read_index(pack_dir)
-                sampler = _sampler(index, spec, rank, world_size)
-                cache = _node_cache(sampler, index, dirs, f"node{rank}", f"plan-{tmp.name}-{rank}")
-                dataset = ShardedDataset(index, shard_opener=cache.shard_buffer, transform=flip_transform(64))
-                fetch = ShardedDataset(index, shard_opener=cache.shard_buffer, decode_images=False)
-            sampler.set_epoch(epoch)
-            cache.mark_progress(epoch, 0)
-            received = exchange_for_epoch(sampler, fetch.record_bytes, ranks_per_node=1)
-            source: Any = _ExchangedSamples(dataset, received, epoch) if received else dataset
-            batches = ThreadedBatches(source, KeyedMicroBatches(sampler), threads=threads, prefetch=2, ring=6)
-            for step, _ in enumerate(batches):
-                cache.mark_progress(epoch, step + 1)
+            loader.set_epoch(epoch, 0)
+            for _ in loader:
+                pass
             out.append(time.perf_counter() - start)
     finally:
-        if cache is not None:
-            cache.close()
+        loader.close()
     return out
 
 
