@@ -201,6 +201,17 @@ def drop_caches() -> None:
         handle.write("3\n")
 
 
+def drop_caches_together(rank: int) -> None:
+    """Every rank of the process group waits while rank 0 drops the page cache, so that all of them start
+    the next timed epoch cold and at once."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 0:
+        drop_caches()
+    dist.barrier()
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -81,14 +81,10 @@ def measured_strategies(nodes: int) -> tuple[str, ...]:
 
 def _perfile_node(rank: int, world_size: int, tmp: Path, paths: list[str]) -> list[float]:
     """Two epochs of one node reading its share of ``paths`` (keyed random order) with 8 threads."""
-    import torch.distributed as dist
 
     out = []
     for epoch in range(2):
-        dist.barrier()
-        if rank == 0:
-            netfs.drop_caches()
-        dist.barrier()
+        netfs.drop_caches_together(rank)
         order = np.random.Generator(np.random.PCG64([SEED, epoch, 0x9F])).permutation(len(paths))
         mine = [paths[i] for i in order[rank::world_size]]
         start = time.perf_counter()
@@ -106,7 +102,6 @@ def _train_node(
     ``data.loader threads``, the node cache, the exchange). Each epoch is timed from a barrier (page cache
     dropped) to its last batch; the first includes building the cache (staging)."""
     import torch
-    import torch.distributed as dist
 
     from kaisoku.bench.imagesets import flip_transform
     from kaisoku.config import Config
@@ -133,10 +128,7 @@ def _train_node(
     out: list[float] = []
     try:
         for epoch in range(2):
-            dist.barrier()
-            if rank == 0:
-                netfs.drop_caches()
-            dist.barrier()
+            netfs.drop_caches_together(rank)
             start = time.perf_counter()
             loader.set_epoch(epoch, 0)
             for _ in loader:

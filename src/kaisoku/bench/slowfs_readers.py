@@ -232,7 +232,6 @@ def _partial_node(
     dirs: CacheDirs,
 ) -> list[dict[str, Any]]:
     """Two epochs of one node (a gloo rank with its own cache) of the partial shuffle."""
-    import torch.distributed as dist
 
     from kaisoku.data.exchange import exchange_for_epoch
 
@@ -240,10 +239,7 @@ def _partial_node(
     cache: NodeCache | None = None
     try:
         for epoch in range(2):
-            dist.barrier()
-            if rank == 0:
-                netfs.drop_caches()
-            dist.barrier()
+            netfs.drop_caches_together(rank)
             start = time.perf_counter()
             if cache is None:
                 index = read_index(pack_dir)
