@@ -4,7 +4,8 @@
 - :mod:`~kaisoku.precision.quant`: fake quantization of weights, activations and gradients (straight-through).
 - :mod:`~kaisoku.precision.fp8`: real fp8 matmuls on GPUs with fp8 tensor cores.
 - :mod:`~kaisoku.precision.stats`: per-layer figures for ``metrics.jsonl`` and the end-of-run table.
-- :mod:`~kaisoku.precision.norms`: BatchNorm, LayerNorm and GroupNorm kept in float32 under bf16/fp16 autocast.
+- :mod:`~kaisoku.precision.float32_layers`: normalization, and convolutions over maps so small that a tap sees
+  only padding, kept in float32 under bf16/fp16 autocast.
 
 ``precision.mode`` picks fp32, bf16 or fp16 autocast (:class:`kaisoku.engine.step.Precision`) or one of the
 ``*-stats`` modes, which :func:`apply_precision` switches on in the model.
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from kaisoku.errors import ConfigError
-from kaisoku.precision.norms import keep_norms_float32
+from kaisoku.precision.float32_layers import keep_norms_float32, keep_padded_convs_float32
 from kaisoku.precision.quant import MODE_FORMATS, TENSORS, quantizable_layers, quantize_model, resolve_keep
 from kaisoku.precision.scaler import AmaxHistory, ExponentScaler, shared_exponent
 from kaisoku.precision.stats import PrecisionMonitor
@@ -33,6 +34,7 @@ __all__ = [
     "PrecisionMonitor",
     "apply_precision",
     "keep_norms_float32",
+    "keep_padded_convs_float32",
     "mode_conflict",
     "quantizable_layers",
     "quantize_model",
@@ -68,10 +70,12 @@ def apply_precision(
     seed: int = 0,
 ) -> PrecisionMonitor | None:
     """Quantize ``model``'s Conv2d and Linear layers in place for a ``*-stats`` mode; its monitor (None
-    for fp32, bf16 and fp16, which are autocast: there the normalization layers are kept in float32, see
-    :mod:`kaisoku.precision.norms`). ``announce`` hears how the mode runs here, once."""
+    for fp32, bf16 and fp16, which are autocast: there the normalization layers, and convolutions on maps so
+    small that a tap sees only padding, are kept in float32, see :mod:`kaisoku.precision.float32_layers`).
+    ``announce`` hears how the mode runs here, once."""
     if cfg.mode in ("bf16", "fp16"):
         keep_norms_float32(model)
+        keep_padded_convs_float32(model)
         return None
     if cfg.mode not in STATS_MODES:
         return None
