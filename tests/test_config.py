@@ -35,6 +35,7 @@ def test_override_converts_to_field_type() -> None:
         ("optim.lrr", "1", "unknown config key 'optim.lrr': optim has name, lr"),
         ("nosuch.lr", "1", "the config has run_dir, model"),
         ("optim.name", "adam", "choose one of: sgd, lars, lamb, adamw"),
+        ("optim.kfac.factor-dtype", "float16", "choose one of: float32, bfloat16"),
         ("train.epochs", "many", "train.epochs: 'many' is not a float"),
         ("train.grad_accum", "1.5", "is not an int"),
         ("optim.nesterov", "maybe", "use true or false"),

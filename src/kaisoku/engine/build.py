@@ -287,6 +287,7 @@ def _build_kfac(
         bucket_cap_mb=k.bucket_cap_mb,
         stat_fraction=k.stat_fraction,
         overhead_target=k.overhead_target,
+        factor_dtype=k.factor_dtype,
         grad_scaler=precision.scaler,  # K-FAC builds G from unscaled gradients under fp16
         process_group=group,
     )

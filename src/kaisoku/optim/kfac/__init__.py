@@ -11,10 +11,19 @@ from __future__ import annotations
 from kaisoku.optim.kfac.assignment import bucket_plan, decomposition_cost, greedy_assignment, rank_loads
 from kaisoku.optim.kfac.intervals import choose_intervals
 from kaisoku.optim.kfac.layers import SingularFactorError
-from kaisoku.optim.kfac.preconditioner import BN_MODES, KFAC, MEMORY_MODES, METHODS, KFACWarning
+from kaisoku.optim.kfac.patches import patch_sums
+from kaisoku.optim.kfac.preconditioner import (
+    BN_MODES,
+    FACTOR_DTYPES,
+    KFAC,
+    MEMORY_MODES,
+    METHODS,
+    KFACWarning,
+)
 
 __all__ = [
     "BN_MODES",
+    "FACTOR_DTYPES",
     "KFAC",
     "KFACWarning",
     "MEMORY_MODES",
@@ -24,5 +33,6 @@ __all__ = [
     "choose_intervals",
     "decomposition_cost",
     "greedy_assignment",
+    "patch_sums",
     "rank_loads",
 ]

@@ -61,7 +61,7 @@ def load_state(kfac: KFAC, state: dict[str, Any]) -> None:
     for name, layer in kfac.layers.items():
         entry = saved[name]
         layer.factors = [
-            None if f is None else f.detach().to(layer.device, torch.float32, copy=True)
+            None if f is None else f.detach().to(layer.device, layer.factor_dtype, copy=True)
             for f in entry["factors"]
         ]
         layer.damping_floor = float(entry["damping_floor"])

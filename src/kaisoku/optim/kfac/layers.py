@@ -30,6 +30,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
+from kaisoku.optim.kfac.patches import patch_sums
+
 
 class SingularFactorError(RuntimeError):
     """A factor could not be decomposed or inverted (not finite, or not positive definite)."""
@@ -161,6 +163,9 @@ class KFACLayer:
         self.damping_floor = 0.0
         self.stat_fraction = 1.0
         """Share of each batch's samples (the first ones) the Kronecker factor statistics are computed on."""
+        self.factor_dtype = torch.float32
+        """Dtype of the statistics' matrix products (their inputs), of the statistic sums and of the stored
+        factors; decompositions are always taken in float32."""
         self._handles: list[RemovableHandle] = []
 
     @property
@@ -291,7 +296,8 @@ class KroneckerLayer(KFACLayer):
             self.module.bias.grad.copy_(matrix[:, n_weight])
 
     def _input_sums(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """``(sum of a a^T, sum of a, number of rows)`` over the input rows ``a`` (no bias column)."""
+        """``(sum of a a^T, sum of a, number of rows)`` over the input rows ``a`` (no bias column), the
+        products taken in the dtype of ``inputs``."""
         raise NotImplementedError
 
     def _grad_sum(self, grad: torch.Tensor) -> torch.Tensor:
@@ -309,7 +315,8 @@ class KroneckerLayer(KFACLayer):
         return True
 
     def _on_forward(self, inputs: torch.Tensor) -> None:
-        stat, column, rows = self._input_sums(self._subsample(inputs).float())
+        stat, column, rows = self._input_sums(self._subsample(inputs).to(self.factor_dtype))
+        stat, column = stat.to(self.factor_dtype), column.to(self.factor_dtype)
         if self.has_bias:
             # The bias column of ones, appended to the product rather than to every row.
             corner = torch.tensor([[float(rows)]], dtype=stat.dtype, device=stat.device)
@@ -324,7 +331,8 @@ class KroneckerLayer(KFACLayer):
         factor = batch / scale
         sample = self._subsample(grad)
         used = sample.shape[0] if sample.dim() > 1 else 1
-        self._accumulate(1, self._grad_sum(sample.float()) * (factor * factor), float(used))
+        stat = self._grad_sum(sample.to(self.factor_dtype)).to(self.factor_dtype)
+        self._accumulate(1, stat * (factor * factor), float(used))
 
 
 class LinearLayer(KroneckerLayer):
@@ -336,7 +344,7 @@ class LinearLayer(KroneckerLayer):
 
     def _input_sums(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         rows = inputs.reshape(-1, inputs.shape[-1])
-        return rows.T @ rows, rows.sum(dim=0), rows.shape[0]
+        return rows.T @ rows, rows.sum(dim=0, dtype=torch.float32), rows.shape[0]
 
     def _grad_sum(self, grad: torch.Tensor) -> torch.Tensor:
         rows = grad.reshape(-1, grad.shape[-1])
@@ -363,12 +371,9 @@ class Conv2dLayer(KroneckerLayer):
         if isinstance(padding, str):
             if padding == "same":
                 inputs = F.pad(inputs, module._reversed_padding_repeated_twice)
-            padding = 0
-        # (N, C*kh*kw, L): one column per output pixel.
-        patches = F.unfold(
-            inputs, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride
-        )
-        return _sum_outer(patches), patches.sum(dim=(0, 2)), patches.shape[0] * patches.shape[2]
+            padding = (0, 0)
+        # By kernel offset, never materialising the unfolded (N*L, C*kh*kw) patch matrix.
+        return patch_sums(inputs, module.kernel_size, module.stride, padding, module.dilation, inputs.dtype)
 
     def _grad_sum(self, grad: torch.Tensor) -> torch.Tensor:
         if grad.dim() == 3:
@@ -395,14 +400,15 @@ class Conv1dLayer(Conv2dLayer):
             if padding == "same":
                 inputs = F.pad(inputs, module._reversed_padding_repeated_twice)
             padding = (0,)
-        patches = F.unfold(
+        # A height-1 image with a (1, k) kernel.
+        return patch_sums(
             inputs.unsqueeze(2),
             (1, module.kernel_size[0]),
-            dilation=(1, module.dilation[0]),
-            padding=(0, padding[0]),
-            stride=(1, module.stride[0]),
+            (1, module.stride[0]),
+            (0, padding[0]),
+            (1, module.dilation[0]),
+            inputs.dtype,
         )
-        return _sum_outer(patches), patches.sum(dim=(0, 2)), patches.shape[0] * patches.shape[2]
 
     def _grad_sum(self, grad: torch.Tensor) -> torch.Tensor:
         return _sum_outer(grad if grad.dim() == 3 else grad.unsqueeze(0))

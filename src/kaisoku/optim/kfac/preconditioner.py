@@ -48,6 +48,8 @@ FloatSchedule = float | Callable[[int], float]
 METHODS = ("eigen", "inverse")
 MEMORY_MODES = ("full", "owner")
 BN_MODES = ("diagonal", "unit", "skip")
+#: ``factor_dtype`` name -> dtype of the Kronecker factors' statistics and storage.
+FACTOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # How often a failing decomposition is retried with ten times the damping before the layer falls back
 # to its plain gradient for this step.
@@ -124,6 +126,11 @@ class KFAC:
             fraction of the plain step, from the maximum of each phase over the ranks (the same choice
             everywhere). The choice is logged and kept in ``state_dict()``; ``intervals`` holds it.
         max_interval: cap on the chosen intervals.
+        factor_dtype: ``"float32"`` or ``"bfloat16"``: the dtype the Linear and convolution factor
+            statistics are multiplied in (their inputs), summed in and the factors are stored in
+            (bfloat16 halves their memory and, where the hardware has bf16 matrix units, the statistics
+            time). Statistics are all-reduced and blended in float32, decompositions always taken in
+            float32; BatchNorm's Fisher stays float32.
     """
 
     def __init__(
@@ -147,6 +154,7 @@ class KFAC:
         stat_fraction: float = 1.0,
         overhead_target: float = 0.0,
         max_interval: int = MAX_INTERVAL,
+        factor_dtype: str = "float32",
     ) -> None:
         if method not in METHODS:
             raise ConfigError(f"K-FAC method must be one of {', '.join(METHODS)}, got '{method}'")
@@ -169,6 +177,10 @@ class KFAC:
             raise ConfigError(f"K-FAC bucket_cap_mb must be positive, got {bucket_cap_mb}")
         if not 0 < stat_fraction <= 1:
             raise ConfigError(f"K-FAC stat_fraction must be in (0, 1], got {stat_fraction}")
+        if factor_dtype not in FACTOR_DTYPES:
+            raise ConfigError(
+                f"K-FAC factor_dtype must be one of {', '.join(FACTOR_DTYPES)}, got '{factor_dtype}'"
+            )
         if not 0 <= overhead_target < 1 or max_interval < 1:
             raise ConfigError(
                 f"K-FAC overhead_target must be in [0, 1) and max_interval >= 1, got {overhead_target}, {max_interval}"
@@ -184,6 +196,7 @@ class KFAC:
         self.bn = bn
         self.grad_scaler = grad_scaler
         self.grad_accum = int(grad_accum)
+        self.factor_dtype = factor_dtype
         self.comm: Communicator = resolve_group(process_group)
         self._bucket_elements = max(1, int(bucket_cap_mb * 2**20 / 4))
         self.steps = 0
@@ -215,6 +228,7 @@ class KFAC:
             else:
                 layer = layer_class(name, module)
                 layer.stat_fraction = stat_fraction
+                layer.factor_dtype = FACTOR_DTYPES[factor_dtype]
             layer.register(self._collecting, self._grad_scale, self.clock)
             self.layers[name] = layer
         if skipped:
@@ -348,8 +362,9 @@ class KFAC:
         layers = list(self.layers.values())
         items: list[list[torch.Tensor]] = []
         for layer in layers:
+            # Reduced and blended in float32 whatever the factor dtype: sums over ranks lose nothing.
             tensors = [
-                torch.zeros(shape, device=layer.device) if stat is None else stat
+                torch.zeros(shape, device=layer.device) if stat is None else stat.float()
                 for stat, shape in zip(layer.stat_sums, layer.factor_shapes())
             ]
             tensors.append(torch.tensor(layer.stat_counts, dtype=torch.float32, device=layer.device))
@@ -384,13 +399,15 @@ class KFAC:
                 )
                 continue
             old = layer.factors[index]
+            dtype = layer.factor_dtype
             if old is None:
-                layer.factors[index] = fresh.clone()
+                layer.factors[index] = fresh.to(dtype, copy=True)
             elif not bool(torch.isfinite(old).all()):
-                layer.factors[index] = fresh.clone()
+                layer.factors[index] = fresh.to(dtype, copy=True)
                 self._raise_floor(layer, float(_at(self.damping, self.steps)), "a factor was not finite")
             else:
-                layer.factors[index] = old * decay + fresh * (1.0 - decay)
+                # Blended in float32 and rounded once, so bfloat16 storage does not compound round-off.
+                layer.factors[index] = (old.float() * decay + fresh * (1.0 - decay)).to(dtype)
 
     def _raise_floor(self, layer: KFACLayer, damping: float, why: str) -> float:
         effective = max(damping, layer.damping_floor)
@@ -412,7 +429,7 @@ class KFAC:
             factor = layer.factors[index]
             if factor is None:
                 continue
-            held[index] = self._decompose(layer, factor, damping)
+            held[index] = self._decompose(layer, factor.float(), damping)
         if timed:
             self.clock.add("decomposition", time.perf_counter() - start)
 
