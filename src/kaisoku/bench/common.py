@@ -311,3 +311,14 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return "" if value is None else str(value)
+
+
+def fast_bf16(device: torch.device) -> bool:
+    """True where bf16 autocast is not far slower than fp32: CUDA, or a CPU with AVX512-BF16 or AMX."""
+    if device.type == "cuda":
+        return True
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

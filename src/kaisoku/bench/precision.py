@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kaisoku.bench.common import goal, locate_mnist, record_and_show
+from kaisoku.bench.common import fast_bf16, goal, locate_mnist, record_and_show
 
 #: Mode label -> ``precision.*`` settings.
 MODES: dict[str, dict[str, Any]] = {
@@ -90,17 +90,6 @@ def plan(quick: bool) -> dict[str, Any]:
             Task("shapes", "resnet10", "compact", 12, 32, SHAPES_STEPS, SHAPES_LR, 1000, "adamw", 0.05, 0.1),
         ],
     }
-
-
-def fast_bf16(device: torch.device) -> bool:
-    """True where bf16 autocast is not far slower than fp32: CUDA, or a CPU with AVX512-BF16 or AMX."""
-    if device.type == "cuda":
-        return True
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def train_config(task: Task, data: Path, run_dir: Path, seed: int, mode: str) -> Any:
