@@ -109,12 +109,20 @@ def test_bad_arguments_name_themselves(changes: dict, word: str) -> None:
         large_batch(resnet(), **args)
 
 
-def test_kfac_recipe_trains_a_few_steps() -> None:
+@pytest.mark.parametrize("factor_dtype", ["float32", "bfloat16"])
+def test_kfac_recipe_trains_a_few_steps(factor_dtype: str) -> None:
     torch.manual_seed(0)
     model = build_model("small-cnn", num_classes=10, in_channels=1)
     optimizer, scheduler, loss_fn, kfac = large_batch_kfac(
-        model, base_lr=0.05, batch=64, epochs=1, steps_per_epoch=6, inv_update_steps=2
+        model,
+        base_lr=0.05,
+        batch=64,
+        epochs=1,
+        steps_per_epoch=6,
+        inv_update_steps=2,
+        factor_dtype=factor_dtype,
     )
+    assert kfac.factor_dtype == factor_dtype
     x, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
     losses = []
     for _ in range(6):

@@ -204,13 +204,15 @@ def large_batch_kfac(
     kl_clip: float = 1e-3,
     factor_update_steps: int = 1,
     inv_update_steps: int = 10,
+    factor_dtype: str = "float32",
     **recipe: object,
 ) -> LargeBatchKFAC:
     """:func:`large_batch` (``recipe`` are its arguments) with K-FAC preconditioning in front of the optimizer.
 
     K-FAC hooks the model's Linear, Conv2d and BatchNorm layers; the step size it clips to
     (``kl_clip``) follows the optimizer's learning rate, so the schedule drives both. Build it before
-    wrapping the model in DDP or ``torch.compile``.
+    wrapping the model in DDP or ``torch.compile``. ``factor_dtype="bfloat16"`` keeps the factor statistics
+    in bf16 (where the hardware multiplies bf16 natively).
     """
     from kaisoku.optim.kfac import KFAC
 
@@ -222,5 +224,6 @@ def large_batch_kfac(
         damping=damping,
         kl_clip=kl_clip or None,
         lr=optimizer,
+        factor_dtype=factor_dtype,
     )
     return LargeBatchKFAC(optimizer, scheduler, loss_fn, kfac)
