@@ -26,6 +26,7 @@ GOALS: dict[str, set[str]] = {
         "kaisoku_partial_io_vs_8readers_1G_2msRTT_64px",
         "kaisoku_io_vs_ceiling_min",
         "kaisoku_epoch2_source_reads_max",
+        "kaisoku_vs_best_packed_peer",
     },
     "optim": {
         "lars_vs_fused_sgd_resnet50",

@@ -12,23 +12,19 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import simplejpeg
 import torch
-from torch.utils.data import DataLoader, Dataset
 
 from kaisoku.data.datagen import generate
 from kaisoku.data.dataset import ImageLabelTransform, ShardedDataset
 from kaisoku.data.folder import FileList, scan_class_folders
 from kaisoku.data.format import Index, read_index
 from kaisoku.data.loader import ShardLoader
-from kaisoku.data.sampler import EpochSampler
-from kaisoku.data.transforms import AugmentSpec, collate
+from kaisoku.data.transforms import AugmentSpec
 from kaisoku.data.writer import pack
 
 BATCH = 256
@@ -109,35 +105,6 @@ def flip_transform(size: int) -> ImageLabelTransform:
     return ImageLabelTransform(spec=AugmentSpec(size=size, scale=(1.0, 1.0), ratio=(1.0, 1.0)), seed=SEED)
 
 
-class KeyedBatches:
-    """A DataLoader ``batch_sampler``: the sampler's batches of ``epoch`` as ``(epoch, index)`` keys."""
-
-    def __init__(self, sampler: EpochSampler, epoch: int) -> None:
-        self.sampler = sampler
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        for batch in self.sampler:
-            yield [(self.epoch, i) for i in batch]
-
-
-def kaisoku_loader(
-    dataset: Dataset,
-    sampler: EpochSampler,
-    epoch: int,
-    workers: int,
-    collate_fn: Callable[[list[Any]], Any] = collate,
-) -> DataLoader:
-    """The DataLoader kaisoku's rows iterate: the sampler's keyed batches, kaisoku's collate."""
-    sampler.set_epoch(epoch)
-    return DataLoader(
-        dataset, batch_sampler=KeyedBatches(sampler, epoch), num_workers=workers, collate_fn=collate_fn
-    )
-
-
 def production_loader(
     pack_dir: Path, transform: ImageLabelTransform, *, workers: int = WORKERS, crop_decode: bool = False
 ) -> ShardLoader:
@@ -213,8 +180,3 @@ def photo_set(count: int, classes: int = 10) -> ImageSet:
         pack_dir=pack_dir,
         index=read_index(pack_dir),
     )
-
-
-def image_bytes(samples: list[dict[str, Any]]) -> int:
-    """I/O-only "collate": the bytes of a batch's encoded images (what the decoders would receive)."""
-    return sum(len(sample["image"]) for sample in samples)

@@ -143,6 +143,15 @@ def webdataset(
             for i, (path, label) in enumerate(files):
                 sink.write({"__key__": f"{i:07d}", "jpg": read_bytes(path), "cls": str(label).encode()})
         _mark_complete(directory, {"samples": len(files)})
+    return webdataset_reader(directory, batch=batch, workers=workers)
+
+
+def webdataset_reader(directory: Path, *, batch: int, workers: int) -> PeerLoader:
+    """The WebDataset pipeline of :func:`webdataset` over the tar shards already in ``directory`` (which may
+    be a read-only mount of the folder they were written to); WebDataset keeps no cache of local files."""
+    _require("webdataset", "webdataset")
+    import webdataset as wds
+
     urls = [str(p) for p in sorted(directory.glob("shard-*.tar"))]
 
     def make() -> Iterable[Any]:
@@ -163,8 +172,7 @@ def webdataset(
 def mds(files: Sequence[tuple[str, int]], directory: Path, *, batch: int, workers: int) -> PeerLoader:
     """MosaicML Streaming MDS shards read from a local directory, its default shuffle (py1e)."""
     _require("streaming", "mosaicml-streaming")
-    from streaming import MDSWriter, StreamingDataset
-    from streaming.base.util import clean_stale_shared_memory
+    from streaming import MDSWriter
 
     if not _complete(directory):
         _fresh(directory)
@@ -174,6 +182,16 @@ def mds(files: Sequence[tuple[str, int]], directory: Path, *, batch: int, worker
             for path, label in files:
                 out.write({"jpg": read_bytes(path), "cls": int(label)})
         _mark_complete(directory, {"samples": len(files)})
+    return mds_reader(directory / "data", None, batch=batch, workers=workers)
+
+
+def mds_reader(data: Path, cache: Path | None, *, batch: int, workers: int) -> PeerLoader:
+    """The MDS dataset of :func:`mds` over the shards in ``data``: read in place (``cache`` None), or with
+    ``data`` as Streaming's ``remote`` copied shard by shard into its local cache ``cache`` as it reads."""
+    _require("streaming", "mosaicml-streaming")
+    from streaming import StreamingDataset
+    from streaming.base.util import clean_stale_shared_memory
+
     clean_stale_shared_memory()
 
     class _Flip(StreamingDataset):
@@ -181,7 +199,8 @@ def mds(files: Sequence[tuple[str, int]], directory: Path, *, batch: int, worker
             sample = super().__getitem__(index)
             return decode_flip(sample["jpg"], random.random() < 0.5), int(sample["cls"])
 
-    dataset = _Flip(local=str(directory / "data"), shuffle=True, batch_size=batch, shuffle_seed=1)
+    where = {"local": str(data)} if cache is None else {"remote": str(data), "local": str(cache)}
+    dataset = _Flip(**where, shuffle=True, batch_size=batch, shuffle_seed=1)
 
     def make() -> Iterable[Any]:
         return DataLoader(dataset, batch_size=batch, num_workers=workers, drop_last=True)
@@ -207,7 +226,6 @@ def litdata(
 ) -> PeerLoader:
     """LitData chunks (its BinaryWriter, the engine behind ``optimize``) and its StreamingDataLoader."""
     _require("litdata", "litdata")
-    from litdata import StreamingDataLoader, StreamingDataset
     from litdata.streaming.writer import BinaryWriter
 
     if not _complete(directory):
@@ -218,9 +236,20 @@ def litdata(
         writer.done()
         writer.merge()
         _mark_complete(directory, {"samples": len(files)})
-    cache = directory / "cache"
+    return litdata_reader(
+        str(directory / "data"), directory / "cache", batch=batch, workers=workers, crop=crop
+    )
+
+
+def litdata_reader(source: str, cache: Path, *, batch: int, workers: int, crop: int = 0) -> PeerLoader:
+    """The LitData dataset and loader of :func:`litdata` over the chunks at ``source``: a folder (read in
+    place) or ``local:FOLDER`` (LitData's remote-folder scheme: chunks copied into its cache ``cache``
+    as they are read, as from object storage)."""
+    _require("litdata", "litdata")
+    from litdata import StreamingDataLoader, StreamingDataset
+
     dataset = StreamingDataset(
-        str(directory / "data"), cache_dir=str(cache), shuffle=True, drop_last=True, transform=_LitFlip(crop)
+        source, cache_dir=str(cache), shuffle=True, drop_last=True, transform=_LitFlip(crop)
     )
 
     def make() -> Iterable[Any]:

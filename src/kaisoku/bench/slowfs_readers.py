@@ -1,11 +1,13 @@
-"""The readers of ``kaisoku bench slowfs``: random per-file reads, and kaisoku nodes reading packed shards
-through a :class:`~kaisoku.data.cache.NodeCache` (one node, or two exchanging samples under the partial
-shuffle). Each drops the page cache before an epoch and returns what it read and how long it took.
+"""The readers of ``kaisoku bench slowfs``: random per-file reads, and kaisoku nodes iterating the
+:class:`~kaisoku.data.loader.ShardLoader` that ``kaisoku train`` builds (one node, or two gloo ranks
+exchanging samples under the partial shuffle). Each drops the page cache before an epoch and returns what
+it read and how long it took. The packed peers' side is :mod:`kaisoku.bench.slowfs_peers`.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Sequence
@@ -15,17 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 from kaisoku.bench import netfs
-from kaisoku.bench.imagesets import BATCH, SEED, WORKERS, flip_transform, image_bytes, kaisoku_loader
-from kaisoku.data.cache import NodeCache
+from kaisoku.bench.imagesets import BATCH, SEED, WORKERS, flip_transform
 from kaisoku.data.dataset import ShardedDataset
-from kaisoku.data.format import Index, read_index
-from kaisoku.data.loader import (
-    _ExchangedSamples as ExchangedSamples,  # what ShardLoader reads an exchanged epoch through
-)
-from kaisoku.data.sampler import EpochSampler
+from kaisoku.data.loader import ShardLoader
 from kaisoku.data.shuffle import ShuffleSpec
 from kaisoku.data.transforms import collate
 from kaisoku.distributed.spawn import run_ranks
@@ -123,7 +121,7 @@ def perfile_epoch(
 
 @dataclass(frozen=True)
 class CacheDirs:
-    """Where a kaisoku row's node caches live (removed after the row)."""
+    """Where a kaisoku row's node caches live (removed after each run)."""
 
     ram: Path
     local: Path
@@ -134,172 +132,134 @@ class CacheDirs:
         return self.ram / name, self.local / name
 
 
-def _node_cache(
-    sampler: EpochSampler, index: Index, dirs: CacheDirs, node_name: str, token: str
-) -> NodeCache:
-    ram, local = dirs.node(node_name)
-    return NodeCache.for_sampler(
-        sampler,
-        [index.shard_path(i) for i in range(len(index.shards))],
-        ranks_per_node=1,
-        ram_dir=ram,
-        ram_capacity=dirs.capacity,
-        local_dir=local,
-        local_capacity=dirs.capacity,
-        run_token=token,
-        num_epochs=2,
-        shard_bytes=index.shard_nbytes().tolist(),
-    )
+class EncodedSize:
+    """The I/O-only transform: a sample becomes the byte count of its encoded image (no decode), written
+    into the batch buffer as one int64, so that an epoch's batches sum to the image bytes delivered."""
+
+    def __call__(self, sample: dict[str, Any], *, index: int, epoch: int) -> tuple[np.ndarray, int]:
+        """``([bytes], label)``."""
+        return np.array([len(sample["image"])], dtype=np.int64), int(sample["label"])
+
+    def into(self, sample: dict[str, Any], *, index: int, epoch: int, out: np.ndarray) -> int:
+        """Write the byte count into ``out``; return the label."""
+        out[0] = len(sample["image"])
+        return int(sample["label"])
 
 
-def _read_epoch(
-    dataset: ShardedDataset,
-    sampler: EpochSampler,
-    cache: NodeCache,
-    epoch: int,
-    *,
-    mode: str,
-    size: int,
-    workers: int,
-    received: dict[int, bytes] | None = None,
-) -> int:
-    """One epoch of a kaisoku node in DataLoader workers: bytes delivered (I/O: records read, images left
-    encoded) or samples loaded (end-to-end: decoded, flipped, collated)."""
-    sampler.set_epoch(epoch)
-    cache.mark_progress(epoch, 0)
-    source = ExchangedSamples(dataset, received, epoch) if received else dataset
-    total = 0
-    collate_fn = image_bytes if mode == "io" else collate
-    for step, batch in enumerate(kaisoku_loader(source, sampler, epoch, workers, collate_fn)):
-        total += batch if mode == "io" else int(batch[1].shape[0])
-        cache.mark_progress(epoch, step + 1)
-    return total
+def node_loader(
+    pack_dir: str, spec: ShuffleSpec, dirs: CacheDirs, *, rank: int, world_size: int, mode: str, size: int
+) -> ShardLoader:
+    """The :class:`ShardLoader` ``kaisoku train`` builds for node ``rank`` of ``world_size`` (one rank per
+    node), from a config through :func:`kaisoku.engine.data_build.shard_loader`: ``spec``'s shuffle, the
+    node cache in ``dirs`` (local folder + RAM tier, each holding the whole set), ``data.workers`` =
+    :data:`WORKERS` decoding threads, 2 epochs. ``mode`` ``io`` leaves images encoded (:class:`EncodedSize`),
+    ``e2e`` decodes and flips them (:func:`flip_transform`)."""
+    from kaisoku.config import Config
+    from kaisoku.config_sections import ByteSize
+    from kaisoku.distributed.env import World
+    from kaisoku.engine.data_build import shard_loader
 
-
-def _sampler(index: Index, spec: ShuffleSpec, rank: int, world_size: int) -> EpochSampler:
-    return EpochSampler(
-        index.shard_sizes(), global_batch=BATCH, rank=rank, world_size=world_size, seed=SEED, shuffle=spec
-    )
-
-
-def _make_dataset(index: Index, cache: NodeCache, mode: str, size: int) -> ShardedDataset:
+    ram, local = dirs.node(f"node{rank}")
+    cfg = Config()
+    cfg.data.path = pack_dir
+    cfg.data.global_batch = BATCH
+    cfg.data.workers = WORKERS
+    cfg.data.shuffle = spec.name  # type: ignore[assignment]
+    cfg.data.exchange = spec.exchange
+    cfg.data.block_shards = spec.block_shards
+    cfg.data.local_cache, cfg.data.local_capacity = str(local), ByteSize(dirs.capacity)
+    cfg.data.ram_dir, cfg.data.ram_capacity = str(ram), ByteSize(dirs.capacity)
+    cfg.train.seed, cfg.train.epochs = SEED, 2
+    world = World(rank=rank, world_size=world_size, local_world_size=1, node=rank, num_nodes=world_size)
     if mode == "io":
-        return ShardedDataset(index, shard_opener=cache.shard_buffer, decode_images=False)
-    return ShardedDataset(index, shard_opener=cache.shard_buffer, transform=flip_transform(size))
+        dataset = ShardedDataset(pack_dir, transform=EncodedSize(), decode_images=False)
+    else:
+        dataset = ShardedDataset(pack_dir, transform=flip_transform(size))
+    return shard_loader(cfg, world, torch.device("cpu"), dataset)
 
 
-def kaisoku_single_node(
-    pack_dir: Path, spec: ShuffleSpec, *, mode: str, size: int, dirs: CacheDirs
-) -> list[dict[str, Any]]:
-    """Two epochs of one node reading ``pack_dir`` (on the mount) through a fresh NodeCache."""
-    epochs: list[dict[str, Any]] = []
-    netfs.drop_caches()
-    start = time.perf_counter()
-    index = read_index(pack_dir)
-    sampler = _sampler(index, spec, 0, 1)
-    cache = _node_cache(sampler, index, dirs, "node0", f"bench-{os.getpid()}-{time.monotonic_ns()}")
-    try:
-        dataset = _make_dataset(index, cache, mode, size)
-        for epoch in range(2):
-            if epoch:
-                netfs.drop_caches()
-                start = time.perf_counter()
-            before = cache.node_stats()
-            total = _read_epoch(dataset, sampler, cache, epoch, mode=mode, size=size, workers=WORKERS)
-            seconds = time.perf_counter() - start
-            after = cache.node_stats()
-            epochs.append(
-                {
-                    "seconds": seconds,
-                    "total": total,
-                    "source_reads": after["source_reads"] - before["source_reads"],
-                    "source_bytes": after["source_bytes"] - before["source_bytes"],
-                }
-            )
-    finally:
-        cache.close()
-    return epochs
+@dataclass(frozen=True)
+class KaisokuRun:
+    """What a kaisoku row measures: ``repeats`` runs of each mode, 2 epochs each, on a fresh node cache."""
+
+    pack_dir: str
+    spec: ShuffleSpec
+    size: int
+    dirs: CacheDirs
+    repeats: int
+    modes: tuple[str, ...] = ("io", "e2e")
 
 
-def _partial_node(
-    rank: int,
-    world_size: int,
-    tmp: Path,
-    pack_dir: str,
-    spec: ShuffleSpec,
-    mode: str,
-    size: int,
-    dirs: CacheDirs,
-) -> list[dict[str, Any]]:
-    """Two epochs of one node (a gloo rank with its own cache) of the partial shuffle."""
+def _drop_caches(rank: int) -> None:
+    import torch.distributed as dist
 
-    from kaisoku.data.exchange import exchange_for_epoch
+    if dist.is_available() and dist.is_initialized():
+        netfs.drop_caches_together(rank)
+    else:
+        netfs.drop_caches()
 
+
+def _node_epochs(rank: int, world_size: int, tmp: Path, run: KaisokuRun) -> list[dict[str, Any]]:
+    """Every (repeat, mode, epoch) of one node: seconds from the page-cache drop to its last batch (the
+    first epoch includes starting the node cache and all staging), what it delivered (image bytes or
+    samples) and what :meth:`ShardLoader.epoch_stats` counted (source reads, exchanged bytes)."""
     out: list[dict[str, Any]] = []
-    cache: NodeCache | None = None
-    try:
-        for epoch in range(2):
-            netfs.drop_caches_together(rank)
-            start = time.perf_counter()
-            if cache is None:
-                index = read_index(pack_dir)
-                sampler = _sampler(index, spec, rank, world_size)
-                cache = _node_cache(
-                    sampler, index, dirs, f"node{rank}", f"bench-{tmp.name}-{os.getppid()}-{rank}"
-                )
-                dataset = _make_dataset(index, cache, mode, size)
-                fetch_set = ShardedDataset(index, shard_opener=cache.shard_buffer, decode_images=False)
-            before = cache.node_stats()
-            sampler.set_epoch(epoch)
-            cache.mark_progress(epoch, 0)
-            received = exchange_for_epoch(sampler, fetch_set.record_bytes, ranks_per_node=1)
-            total = _read_epoch(
-                dataset, sampler, cache, epoch, mode=mode, size=size, workers=1, received=received
+    ram, local = run.dirs.node(f"node{rank}")
+    for repeat in range(run.repeats):
+        for mode in run.modes:
+            loader = node_loader(
+                run.pack_dir, run.spec, run.dirs, rank=rank, world_size=world_size, mode=mode, size=run.size
             )
-            seconds = time.perf_counter() - start
-            after = cache.node_stats()
-            out.append(
-                {
-                    "seconds": seconds,
-                    "total": total,
-                    "received": len(received),
-                    "source_reads": after["source_reads"] - before["source_reads"],
-                    "source_bytes": after["source_bytes"] - before["source_bytes"],
-                }
-            )
-    finally:
-        if cache is not None:
-            cache.close()
+            loader.connect(run_token=f"slowfs-{tmp.name}-{repeat}-{mode}")
+            try:
+                for epoch in range(2):
+                    _drop_caches(rank)
+                    start = time.perf_counter()
+                    loader.set_epoch(epoch, 0)  # starts the node cache in epoch 0; exchanges (collective)
+                    total = 0
+                    for images, labels in loader:
+                        total += int(images.sum()) if mode == "io" else int(labels.shape[0])
+                    seconds = time.perf_counter() - start
+                    stats = loader.epoch_stats() or {}
+                    out.append(
+                        {
+                            "repeat": repeat,
+                            "mode": mode,
+                            "epoch": epoch,
+                            "seconds": seconds,
+                            "total": total,
+                            "source_reads": int(stats.get("source_reads", 0)),
+                            "source_bytes": int(stats.get("source_bytes", 0)),
+                            "exchanged_bytes": int(stats.get("exchanged_bytes", 0)),
+                        }
+                    )
+            finally:
+                loader.close()
+                shutil.rmtree(local, ignore_errors=True)  # the next run starts cold: no staged shard kept
+                shutil.rmtree(ram, ignore_errors=True)
     return out
 
 
-def kaisoku_partial(
-    pack_dir: Path, spec: ShuffleSpec, *, mode: str, size: int, dirs: CacheDirs
-) -> list[dict[str, Any]]:
-    """Two epochs of 2 nodes (gloo ranks, own caches, 1 DataLoader worker each) exchanging samples.
-
-    An epoch's time is the slower node's; totals and source reads are summed over the nodes.
-    """
-    with tempfile.TemporaryDirectory(prefix="kaisoku-bench-rdzv-") as tmp:
-        per_node = run_ranks(
-            _partial_node,
-            2,
-            Path(tmp),
-            str(pack_dir),
-            spec,
-            mode,
-            size,
-            dirs,
-            timeout=1800.0,
-            collective_timeout=600.0,
+def kaisoku_epochs(run: KaisokuRun) -> list[dict[str, Any]]:
+    """:func:`_node_epochs` on one node (this process) or, for the partial shuffle, on its
+    ``spec.num_nodes`` nodes (gloo ranks with their own caches); an epoch's time is the slowest node's,
+    totals and counts are summed over the nodes."""
+    nodes = run.spec.num_nodes if run.spec.name == "partial" else 1
+    with tempfile.TemporaryDirectory(prefix="kaisoku-bench-slowfs-") as tmp:
+        if nodes == 1:
+            return _node_epochs(0, 1, Path(tmp), run)
+        per_node = run_ranks(_node_epochs, nodes, Path(tmp), run, timeout=3600.0, collective_timeout=600.0)
+    merged = []
+    for records in zip(*per_node, strict=True):
+        first = records[0]
+        merged.append(
+            {
+                **{k: first[k] for k in ("repeat", "mode", "epoch")},
+                "seconds": max(r["seconds"] for r in records),
+                **{
+                    k: sum(r[k] for r in records)
+                    for k in ("total", "source_reads", "source_bytes", "exchanged_bytes")
+                },
+            }
         )
-    return [
-        {
-            "seconds": max(node[e]["seconds"] for node in per_node),
-            "total": sum(node[e]["total"] for node in per_node),
-            "source_reads": sum(node[e]["source_reads"] for node in per_node),
-            "source_bytes": sum(node[e]["source_bytes"] for node in per_node),
-            "exchanged": sum(node[e]["received"] for node in per_node),
-        }
-        for e in range(2)
-    ]
+    return merged

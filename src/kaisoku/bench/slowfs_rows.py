@@ -1,0 +1,239 @@
+"""The rows and goals of ``kaisoku bench slowfs`` from its measurements: pure functions of the records the
+readers return (:mod:`kaisoku.bench.slowfs_readers`, :mod:`kaisoku.bench.slowfs_peers`), tested without
+a mount or processes. Every figure of a row is the median over its runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from kaisoku.bench.common import goal
+from kaisoku.bench.imagesets import log
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def _epochs(records: Sequence[dict[str, Any]], mode: str | None, epoch: int) -> list[dict[str, Any]]:
+    return [r for r in records if r.get("mode") == mode and r["epoch"] == epoch]
+
+
+def perfile_row(
+    base: dict[str, Any],
+    readers: str,
+    timings: dict[tuple[str, int], list[float]],
+    *,
+    files: int,
+    nbytes: int,
+    set_files: int,
+    rate_bytes: float,
+    quality: float,
+) -> dict[str, Any]:
+    """A per-file row from ``timings[(mode, epoch)]`` (seconds per repeat): medians over the repeats."""
+    io1, io2 = _median(timings[("io", 0)]), _median(timings[("io", 1)])
+    e2e1, e2e2 = _median(timings[("e2e", 0)]), _median(timings[("e2e", 1)])
+    return {
+        **base,
+        "row": f"per-file random reads, {readers}",
+        "shuffle": "global (per file)",
+        "quality": quality,
+        "repeats": len(timings[("io", 0)]),
+        "files_measured": files,
+        "bytes_measured": nbytes,
+        "link_bound_s": round(nbytes / rate_bytes, 3),
+        "io_e1_s": round(io1, 3),
+        "io_e2_s": round(io2, 3),
+        "io_e1_runs_s": [round(t, 3) for t in timings[("io", 0)]],
+        "io_e1_samples_per_s": round(files / io1, 1),
+        "io_e2_samples_per_s": round(files / io2, 1),
+        "io_e1_MBps": round(nbytes / io1 / 1e6, 2),
+        "e2e_e1_samples_per_s": round(files / e2e1, 1),
+        "e2e_e2_samples_per_s": round(files / e2e2, 1),
+        "epoch_e1_s_extrapolated": round(io1 * set_files / files, 1),
+        "_io_rate": nbytes / io1,
+    }
+
+
+def kaisoku_row(
+    base: dict[str, Any],
+    name: str,
+    spec_text: str,
+    records: Sequence[dict[str, Any]],
+    *,
+    quality: float,
+    nbytes: int,
+    rate_bytes: float,
+) -> dict[str, Any]:
+    """A kaisoku row from :func:`~kaisoku.bench.slowfs_readers.kaisoku_epochs`'s records: each figure the
+    median over the repeats; epoch-2 source reads the largest over repeats and modes."""
+    io1, io2 = _epochs(records, "io", 0), _epochs(records, "io", 1)
+    e2e1, e2e2 = _epochs(records, "e2e", 0), _epochs(records, "e2e", 1)
+    samples = int(_median([r["total"] for r in e2e1]))
+    delivered = _median([r["total"] for r in io1])  # image bytes handed to decoding per epoch
+    io1_s, io2_s = _median([r["seconds"] for r in io1]), _median([r["seconds"] for r in io2])
+    e2e1_s, e2e2_s = _median([r["seconds"] for r in e2e1]), _median([r["seconds"] for r in e2e2])
+    row = {
+        **base,
+        "row": f"kaisoku {name}",
+        "shuffle": spec_text,
+        "quality": quality,
+        "repeats": len(io1),
+        "samples": samples,
+        "bytes_read": int(_median([r["source_bytes"] for r in io1])),
+        "link_bound_s": round(nbytes / rate_bytes, 3),
+        "io_e1_s": round(io1_s, 3),
+        "io_e2_s": round(io2_s, 3),
+        "io_e1_runs_s": [round(r["seconds"], 3) for r in io1],
+        "io_e1_samples_per_s": round(samples / io1_s, 1),
+        "io_e2_samples_per_s": round(samples / io2_s, 1),
+        "io_e1_MBps": round(delivered / io1_s / 1e6, 2),
+        "e2e_e1_s": round(e2e1_s, 3),
+        "e2e_e2_s": round(e2e2_s, 3),
+        "e2e_e1_samples_per_s": round(samples / e2e1_s, 1),
+        "e2e_e2_samples_per_s": round(samples / e2e2_s, 1),
+        "e2e_e1_runs_s": [round(r["seconds"], 3) for r in e2e1],
+        "source_reads_e1": int(_median([r["source_reads"] for r in io1])),
+        "source_reads_e2": max(r["source_reads"] for r in io2 + e2e2),
+        "_io_rate": delivered / io1_s,
+    }
+    if any(r["exchanged_bytes"] for r in io1):
+        row["exchanged_bytes_per_epoch"] = int(_median([r["exchanged_bytes"] for r in io1]))
+    return row
+
+
+def peer_row(
+    base: dict[str, Any], name: str, records: Sequence[dict[str, Any]], *, cache: str
+) -> dict[str, Any]:
+    """A packed peer's row from :func:`~kaisoku.bench.slowfs_peers.peer_epochs`'s records (medians)."""
+    e1, e2 = _epochs(records, None, 0), _epochs(records, None, 1)
+    samples = int(_median([r["total"] for r in e1]))
+    e1_s, e2_s = _median([r["seconds"] for r in e1]), _median([r["seconds"] for r in e2])
+    return {
+        **base,
+        "row": f"peer {name}",
+        "shuffle": "the peer's own",
+        "cache": cache,
+        "repeats": len(e1),
+        "samples": samples,
+        "e2e_e1_s": round(e1_s, 3),
+        "e2e_e2_s": round(e2_s, 3),
+        "e2e_e1_samples_per_s": round(samples / e1_s, 1),
+        "e2e_e2_samples_per_s": round(samples / e2_s, 1),
+        "e2e_e1_runs_s": [round(r["seconds"], 3) for r in e1],
+    }
+
+
+def finish_group(rows: list[dict[str, Any]], ceilings: Sequence[float]) -> list[dict[str, Any]]:
+    """Add the group's ceiling (median of ``ceilings``, bytes/s) to its rows, and each I/O row's epoch-1
+    rate over it."""
+    ceiling = _median(ceilings)
+    for row in rows:
+        if "skipped" in row:
+            continue
+        row["ceiling_MBps"] = round(ceiling / 1e6, 2)
+        row["ceiling_runs_MBps"] = [round(c / 1e6, 2) for c in ceilings]
+        rate = row.pop("_io_rate", None)
+        if rate is None:
+            continue
+        row["io_e1_vs_ceiling"] = round(rate / ceiling, 3)
+        row["link_bound_note"] = (
+            "link-bound" if row["link_bound_s"] >= 0.8 * row["io_e1_s"] else "latency/CPU-bound"
+        )
+    return rows
+
+
+def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, dict[str, Any]]]:
+    groups: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+    for row in rows:
+        if "skipped" not in row and "link" in row:
+            groups.setdefault((row["link"], row["set"]), {})[row["row"]] = row
+    return groups
+
+
+def peer_goal(rows: list[dict[str, Any]], unavailable: str = "") -> dict[str, Any]:
+    """``kaisoku_vs_best_packed_peer``: in every group with kaisoku global and a peer, kaisoku global's
+    epoch-1 end-to-end samples/s over the best peer's; the value is the lowest group's."""
+    per_group: dict[str, dict[str, Any]] = {}
+    for (link, set_label), group in _groups(rows).items():
+        kaisoku = group.get("kaisoku global")
+        peers = {name: row for name, row in group.items() if name.startswith("peer ")}
+        if kaisoku is None or not peers:
+            continue
+        best = max(peers, key=lambda n: peers[n]["e2e_e1_samples_per_s"])
+        per_group[f"{link} | {set_label.split(' (')[0]}"] = {
+            "best_peer": best.removeprefix("peer "),
+            "e1": round(kaisoku["e2e_e1_samples_per_s"] / peers[best]["e2e_e1_samples_per_s"], 3),
+            "e2_vs_best_e2": round(
+                kaisoku["e2e_e2_samples_per_s"] / max(p["e2e_e2_samples_per_s"] for p in peers.values()), 3
+            ),
+        }
+    skipped = sorted(
+        {
+            f"{r['row']}: {r['skipped']}"
+            for r in rows
+            if str(r.get("row", "")).startswith("peer ") and "skipped" in r
+        }
+    )
+    why = unavailable or (
+        "no group measured kaisoku global beside a packed peer"
+        + (f" ({'; '.join(skipped)})" if skipped else "")
+    )
+    value = min((g["e1"] for g in per_group.values()), default=None)
+    return goal(
+        value,
+        ">= 1.0",
+        reason="" if value is not None else why,
+        per_group=per_group,
+        **({"peers_skipped": skipped} if skipped and value is not None else {}),
+    )
+
+
+def summary_b(rows: list[dict[str, Any]], unavailable: str = "") -> dict[str, dict[str, Any]]:
+    """Every goal of the benchmark from its rows; ``unavailable``: why the setup could not run at all.
+
+    A goal whose rows were not measured (setup unavailable, time budget spent, a quick run's subset)
+    is recorded unmet with the reason.
+    """
+    summary: dict[str, dict[str, Any]] = {}
+    reference_group = next(
+        (
+            g
+            for (link, set_label), g in _groups(rows).items()
+            if link.startswith("1Gbit/s, RTT+2ms") and set_label.startswith("64px")
+        ),
+        {},
+    )
+    reference = reference_group.get("per-file random reads, 8 threads")
+    for name in ("global", "block", "partial"):
+        row = reference_group.get(f"kaisoku {name}")
+        why = unavailable or (
+            "the 1 Gbit/s, 2 ms RTT, 64px group with this row and the 8-thread per-file row was not measured "
+            "in this run"
+        )
+        value = row["io_e1_samples_per_s"] / reference["io_e1_samples_per_s"] if row and reference else None
+        summary[f"kaisoku_{name}_io_vs_8readers_1G_2msRTT_64px"] = goal(
+            value, ">= 10", reason="" if value is not None else why
+        )
+    kaisoku_rows = [r for r in rows if str(r.get("row", "")).startswith("kaisoku") and "skipped" not in r]
+    why = unavailable or "no kaisoku row was measured"
+    if kaisoku_rows:
+        met = sum(r["io_e1_vs_ceiling"] >= 0.8 for r in kaisoku_rows)
+        log(f"kaisoku rows at >= 0.8 of the ceiling: {met} of {len(kaisoku_rows)}")
+    summary["kaisoku_io_vs_ceiling_min"] = goal(
+        min((r["io_e1_vs_ceiling"] for r in kaisoku_rows), default=None),
+        ">= 0.8",
+        reason="" if kaisoku_rows else why,
+    )
+    summary["kaisoku_epoch2_source_reads_max"] = goal(
+        max((r["source_reads_e2"] for r in kaisoku_rows), default=None),
+        "<= 0",
+        reason="" if kaisoku_rows else why,
+    )
+    summary["kaisoku_vs_best_packed_peer"] = peer_goal(rows, unavailable)
+    return summary
+
+
+# --------------------------------------------------------------------------------------------------- plot

@@ -1,0 +1,174 @@
+"""``kaisoku bench slowfs`` without a mount: rows and goals from synthetic records (medians over repeats,
+the ceiling, the peer figure), and the kaisoku node's ShardLoader built by the training builder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kaisoku.bench.slowfs_readers import CacheDirs, EncodedSize, node_loader
+from kaisoku.bench.slowfs_rows import finish_group, kaisoku_row, peer_goal, peer_row, perfile_row, summary_b
+from kaisoku.data.datagen import generate
+from kaisoku.data.dataset import ShardedDataset
+from kaisoku.data.shuffle import ShuffleSpec
+from kaisoku.data.writer import pack
+
+BASE = {"link": "1Gbit/s, RTT+2ms", "set": "64px (3.4 KiB/file, 1024 files)"}
+
+
+def _kaisoku_records(io_e1: list[float], *, e2_reads: int = 0, exchanged: int = 0) -> list[dict[str, Any]]:
+    """Records as kaisoku_epochs returns them: one per (repeat, mode, epoch)."""
+    records = []
+    for repeat, seconds in enumerate(io_e1):
+        for mode in ("io", "e2e"):
+            for epoch in range(2):
+                records.append(
+                    {
+                        "repeat": repeat,
+                        "mode": mode,
+                        "epoch": epoch,
+                        "seconds": seconds if (mode, epoch) == ("io", 0) else 0.5 * (epoch + 1),
+                        "total": 1_000_000 if mode == "io" else 1000,
+                        "source_reads": 4 if epoch == 0 else (e2_reads if repeat == 1 else 0),
+                        "source_bytes": 1_100_000 if epoch == 0 else 0,
+                        "exchanged_bytes": exchanged,
+                    }
+                )
+    return records
+
+
+def test_kaisoku_row_takes_medians_over_repeats_and_the_worst_epoch2_reads() -> None:
+    records = _kaisoku_records([0.1, 5.0, 0.2], e2_reads=3, exchanged=777)
+    row = kaisoku_row(BASE, "partial", "partial", records, quality=0.9, nbytes=1_100_000, rate_bytes=1.25e8)
+    assert row["repeats"] == 3
+    assert row["io_e1_s"] == 0.2  # the median, not the 5 s outlier nor the mean
+    assert row["io_e1_runs_s"] == [0.1, 5.0, 0.2]
+    assert row["io_e1_samples_per_s"] == 5000.0
+    assert row["io_e1_MBps"] == 5.0
+    assert row["e2e_e1_samples_per_s"] == 2000.0 and row["e2e_e2_samples_per_s"] == 1000.0
+    assert row["source_reads_e1"] == 4
+    assert row["source_reads_e2"] == 3  # one repeat read the source in epoch 2: the row says so
+    assert row["exchanged_bytes_per_epoch"] == 777
+    assert row["_io_rate"] == pytest.approx(5e6)
+
+
+def test_perfile_and_peer_rows_are_medians() -> None:
+    timings = {("io", 0): [2.0, 1.0, 4.0], ("io", 1): [1.0] * 3, ("e2e", 0): [2.0] * 3, ("e2e", 1): [2.0] * 3}
+    row = perfile_row(
+        BASE, "8 threads", timings, files=1000, nbytes=4_000_000, set_files=20000, rate_bytes=1.25e8,
+        quality=1.0,
+    )  # fmt: skip
+    assert row["repeats"] == 3 and row["io_e1_s"] == 2.0 and row["io_e1_samples_per_s"] == 500.0
+    assert row["epoch_e1_s_extrapolated"] == 40.0
+    records = [
+        {"repeat": r, "epoch": e, "seconds": s, "total": 768}
+        for r, (s1, s2) in enumerate([(1.0, 0.5), (3.0, 0.5), (2.0, 0.25)])
+        for e, s in enumerate((s1, s2))
+    ]
+    peer = peer_row(BASE, "webdataset", records, cache="none")
+    assert peer["row"] == "peer webdataset" and peer["repeats"] == 3
+    assert peer["e2e_e1_samples_per_s"] == 384.0 and peer["e2e_e2_samples_per_s"] == 1536.0
+
+
+def test_finish_group_uses_the_median_ceiling_and_leaves_peers_and_skips_without_a_ratio() -> None:
+    rows = [
+        {**BASE, "row": "kaisoku global", "_io_rate": 80e6, "io_e1_s": 1.0, "link_bound_s": 0.9},
+        {**BASE, "row": "peer mds", "e2e_e1_samples_per_s": 10.0},
+        {**BASE, "row": "peer litdata", "skipped": "not installed"},
+    ]
+    done = finish_group(rows, [100e6, 10e6, 120e6])
+    assert done[0]["ceiling_MBps"] == 100.0 and done[0]["io_e1_vs_ceiling"] == 0.8
+    assert done[0]["link_bound_note"] == "link-bound" and "_io_rate" not in done[0]
+    assert "io_e1_vs_ceiling" not in done[1] and done[1]["ceiling_MBps"] == 100.0
+    assert done[2] == {**BASE, "row": "peer litdata", "skipped": "not installed"}
+
+
+def _group(link: str, kaisoku_e1: float, peers: dict[str, float]) -> list[dict[str, Any]]:
+    base = {"link": link, "set": BASE["set"]}
+    rows = [
+        {**base, "row": "kaisoku global", "e2e_e1_samples_per_s": kaisoku_e1, "e2e_e2_samples_per_s": 100.0}
+    ]
+    for name, rate in peers.items():
+        rows.append(
+            {**base, "row": f"peer {name}", "e2e_e1_samples_per_s": rate, "e2e_e2_samples_per_s": 50.0}
+        )
+    return rows
+
+
+def test_peer_goal_is_the_worst_group_against_its_best_peer() -> None:
+    rows = _group("1Gbit/s, RTT+2ms", 300.0, {"mds": 100.0, "litdata": 200.0})
+    rows += _group("200Mbit/s, RTT+0ms", 90.0, {"webdataset": 100.0})
+    rows.append({**BASE, "row": "peer webdataset", "skipped": "not installed: pip install webdataset"})
+    entry = peer_goal(rows)
+    assert entry["value"] == 0.9 and entry["met"] is False
+    assert entry["per_group"]["1Gbit/s, RTT+2ms | 64px"] == {
+        "best_peer": "litdata",
+        "e1": 1.5,
+        "e2_vs_best_e2": 2.0,
+    }
+    assert entry["peers_skipped"] == ["peer webdataset: not installed: pip install webdataset"]
+
+
+def test_peer_goal_without_peers_says_why() -> None:
+    rows = _group("1Gbit/s, RTT+2ms", 300.0, {})
+    rows.append({**BASE, "row": "peer mds", "skipped": "not installed: pip install mosaicml-streaming"})
+    entry = peer_goal(rows)
+    assert entry["value"] is None and entry["met"] is False
+    assert "mosaicml-streaming" in entry["reason"]
+
+
+def test_summary_keeps_every_goal_when_the_setup_is_unavailable() -> None:
+    summary = summary_b([], unavailable="setup unavailable: no sshfs")
+    assert set(summary) == {
+        "kaisoku_global_io_vs_8readers_1G_2msRTT_64px",
+        "kaisoku_block_io_vs_8readers_1G_2msRTT_64px",
+        "kaisoku_partial_io_vs_8readers_1G_2msRTT_64px",
+        "kaisoku_io_vs_ceiling_min",
+        "kaisoku_epoch2_source_reads_max",
+        "kaisoku_vs_best_packed_peer",
+    }
+    assert all(e["met"] is False and "no sshfs" in e["reason"] for e in summary.values())
+
+
+def test_encoded_size_reports_the_image_bytes_without_decoding() -> None:
+    sample = {"image": b"\xff\xd8" + bytes(98), "label": 3}
+    out = np.zeros(1, dtype=np.int64)
+    assert EncodedSize().into(sample, index=0, epoch=0, out=out) == 3 and out[0] == 100
+    array, label = EncodedSize()(sample, index=0, epoch=0)
+    assert array.tolist() == [100] and label == 3
+
+
+@pytest.fixture(scope="module")
+def tiny_pack(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("slowfs")
+    images = generate(root / "shapes", count=512, size=8, val_count=0, workers=1)
+    pack(images / "train", root / "pack", shard_bytes="64KiB", overwrite=True, progress=False, seed=0)
+    return root / "pack"
+
+
+@pytest.mark.timeout(120)
+def test_node_loader_is_the_training_shard_loader_with_its_node_cache(
+    tiny_pack: Path, tmp_path: Path
+) -> None:
+    dirs = CacheDirs(ram=tmp_path / "ram", local=tmp_path / "local", capacity=64 << 20)
+    spec = ShuffleSpec(name="partial", exchange=0.25, num_nodes=2)
+    partial = node_loader(str(tiny_pack), spec, dirs, rank=1, world_size=2, mode="io", size=8)
+    assert partial.needs_exchange and partial.node == 1 and partial.sampler.spec.exchange == 0.25
+    assert Path(partial.cache_settings.ram_dir) == tmp_path / "ram" / "node1"
+    loader = node_loader(
+        str(tiny_pack), ShuffleSpec(name="global"), dirs, rank=0, world_size=1, mode="io", size=8
+    )
+    loader.connect(run_token="test")
+    try:
+        loader.set_epoch(0, 0)
+        delivered = sum(int(images.sum()) for images, _ in loader)
+        stats = loader.epoch_stats()
+    finally:
+        loader.close()
+    dataset = ShardedDataset(tiny_pack, decode_images=False)
+    order = loader.sampler.epoch_order(0)[: loader.steps_per_epoch * 256]
+    assert delivered == sum(len(dataset[int(i)]["image"]) for i in order)
+    assert stats is not None and stats["source_reads"] == len(dataset.index.shards)
