@@ -194,22 +194,28 @@ class DiskOffload(_SavedTensorHooks):
             index = self._queue.get()
             if index is None:
                 return
-            with self._cond:
-                tensor = self._pending.get(index)
-            if tensor is not None:
-                try:
-                    flat = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-                    flat.numpy().tofile(self._file(index))
-                except BaseException as exc:  # surfaced on the training thread at unpack
-                    self._error = exc
-            with self._cond:
-                if tensor is not None and self._pending.pop(index, None) is not None:
-                    size = tensor.numel() * tensor.element_size()
-                    self._pending_bytes -= size
-                    self.written_bytes += size
-                elif tensor is not None:  # backward used it from memory meanwhile: the file is not needed
-                    self._file(index).unlink(missing_ok=True)
-                self._cond.notify_all()
+            try:
+                self._write_one(index)
+            finally:
+                self._queue.task_done()  # flush() joins the queue: no write may still be in flight
+
+    def _write_one(self, index: int) -> None:
+        with self._cond:
+            tensor = self._pending.get(index)
+        if tensor is not None:
+            try:
+                flat = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+                flat.numpy().tofile(self._file(index))
+            except BaseException as exc:  # surfaced on the training thread at unpack
+                self._error = exc
+        with self._cond:
+            if tensor is not None and self._pending.pop(index, None) is not None:
+                size = tensor.numel() * tensor.element_size()
+                self._pending_bytes -= size
+                self.written_bytes += size
+            elif tensor is not None:  # backward used it from memory meanwhile: the file is not needed
+                self._file(index).unlink(missing_ok=True)
+            self._cond.notify_all()
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         if not _offloadable(tensor, self.min_bytes):
@@ -267,9 +273,11 @@ class DiskOffload(_SavedTensorHooks):
         return future.result()
 
     def flush(self) -> None:
-        """Wait until every saved tensor is written."""
+        """Wait until every saved tensor is written and the writer is idle (a write racing backward, whose
+        tensor backward took from memory, has removed its file again)."""
         with self._cond:
             self._cond.wait_for(lambda: not self._pending)
+        self._queue.join()
 
     def begin(self) -> None:
         """Start a step: forget the previous one's tensors and files."""
