@@ -44,7 +44,7 @@ import numpy as np
 from kaisoku.bench import netfs
 from kaisoku.bench.common import goal, record_and_show
 from kaisoku.bench.imagesets import BATCH, SEED, data_root, image_set, log
-from kaisoku.bench.slowfs_readers import CacheDirs, _file_bytes
+from kaisoku.bench.slowfs_readers import CacheDirs, _file_bytes, node_loader
 from kaisoku.data.shuffle import ShuffleSpec
 from kaisoku.distributed.spawn import run_ranks
 from kaisoku.plan_cluster import cluster_from_dict, load_cluster, load_dataset
@@ -101,29 +101,9 @@ def _train_node(
     builds for packed data (:func:`kaisoku.engine.data_build.shard_loader` from a config: its default
     ``data.loader threads``, the node cache, the exchange). Each epoch is timed from a barrier (page cache
     dropped) to its last batch; the first includes building the cache (staging)."""
-    import torch
-
-    from kaisoku.bench.imagesets import flip_transform
-    from kaisoku.config import Config
-    from kaisoku.config_sections import ByteSize
-    from kaisoku.data.dataset import ShardedDataset
-    from kaisoku.distributed.env import World
-    from kaisoku.engine.data_build import shard_loader
-
-    ram, local = dirs.node(f"node{rank}")
-    cfg = Config()
-    cfg.data.path = pack_dir
-    cfg.data.global_batch = BATCH
-    cfg.data.workers = threads
-    cfg.data.shuffle = spec.name  # type: ignore[assignment]
-    cfg.data.exchange = spec.exchange
-    cfg.data.block_shards = spec.block_shards
-    cfg.data.local_cache, cfg.data.local_capacity = str(local), ByteSize(dirs.capacity)
-    cfg.data.ram_dir, cfg.data.ram_capacity = str(ram), ByteSize(dirs.capacity)
-    cfg.train.seed, cfg.train.epochs = SEED, 2
-    world = World(rank=rank, world_size=world_size, local_world_size=1, node=rank, num_nodes=world_size)
-    dataset = ShardedDataset(pack_dir, transform=flip_transform(64))
-    loader = shard_loader(cfg, world, torch.device("cpu"), dataset)
+    loader = node_loader(
+        pack_dir, spec, dirs, rank=rank, world_size=world_size, mode="e2e", size=64, workers=threads
+    )
     loader.connect(run_token=f"plan-{tmp.name}")
     out: list[float] = []
     try:

@@ -147,12 +147,20 @@ class EncodedSize:
 
 
 def node_loader(
-    pack_dir: str, spec: ShuffleSpec, dirs: CacheDirs, *, rank: int, world_size: int, mode: str, size: int
+    pack_dir: str,
+    spec: ShuffleSpec,
+    dirs: CacheDirs,
+    *,
+    rank: int,
+    world_size: int,
+    mode: str,
+    size: int,
+    workers: int = WORKERS,
 ) -> ShardLoader:
     """The :class:`ShardLoader` ``kaisoku train`` builds for node ``rank`` of ``world_size`` (one rank per
     node), from a config through :func:`kaisoku.engine.data_build.shard_loader`: ``spec``'s shuffle, the
-    node cache in ``dirs`` (local folder + RAM tier, each holding the whole set), ``data.workers`` =
-    :data:`WORKERS` decoding threads, 2 epochs. ``mode`` ``io`` leaves images encoded (:class:`EncodedSize`),
+    node cache in ``dirs`` (local folder + RAM tier, each holding the whole set), ``workers`` decoding
+    threads (``data.workers``), 2 epochs. ``mode`` ``io`` leaves images encoded (:class:`EncodedSize`),
     ``e2e`` decodes and flips them (:func:`flip_transform`)."""
     from kaisoku.config import Config
     from kaisoku.config_sections import ByteSize
@@ -163,7 +171,7 @@ def node_loader(
     cfg = Config()
     cfg.data.path = pack_dir
     cfg.data.global_batch = BATCH
-    cfg.data.workers = WORKERS
+    cfg.data.workers = workers
     cfg.data.shuffle = spec.name  # type: ignore[assignment]
     cfg.data.exchange = spec.exchange
     cfg.data.block_shards = spec.block_shards
