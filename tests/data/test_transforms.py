@@ -236,3 +236,25 @@ def test_normalize_matches_formula() -> None:
     torch.testing.assert_close(one_channel, batch[:, :1].float() / 127.5 - 1)
     with pytest.raises(KaisokuError, match="channels"):
         normalize(batch, mean=(0.5,), std=(0.5,))
+
+
+def test_whole_pixel_crops_resample_like_pil_inside_the_crop_and_take_read_only_images() -> None:
+    import warnings
+
+    from kaisoku.data.transforms import _resize_box
+
+    image = _gradient_image(60, 80)
+    box = (10, 5, 70, 55)  # 60 x 50 -> 32 x 32: a downscale, antialiased
+    ours = _resize_box(image, box, 32)
+    assert ours.shape == (32, 32, 3) and ours.dtype == np.uint8
+    reference = np.asarray(Image.fromarray(image).resize((32, 32), Image.Resampling.BILINEAR, box=box))
+    # Inside the crop both resamplers see the same pixels (PIL's filter also reads outside the box at its edges).
+    inner = np.abs(ours[2:-2, 2:-2].astype(int) - reference[2:-2, 2:-2].astype(int))
+    assert inner.max() <= 1
+    frozen = image.copy()
+    frozen.flags.writeable = False  # a record viewed in place
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.testing.assert_array_equal(_resize_box(frozen, box, 32), ours)
+    gray = _resize_box(np.ascontiguousarray(image[:, :, 1]), box, 32)
+    np.testing.assert_array_equal(gray, ours[:, :, 1])
