@@ -25,6 +25,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
+from kaisoku.conv_geometry import tap_ranges
+
 #: The normalization classes whose instances are swapped (subclasses included).
 NORM_TYPES: tuple[type[nn.Module], ...] = (_BatchNorm, nn.LayerNorm, nn.GroupNorm)
 
@@ -50,13 +52,11 @@ def padding_only_taps(
 ) -> bool:
     """Whether a convolution over a map of ``size`` (per spatial dimension) has a kernel tap that never
     touches the input, only the zero padding (``padding`` is the leading pad of each dimension)."""
-    for n, k, s, p, d in zip(size, kernel, stride, padding, dilation):
-        outputs = (n + 2 * p - d * (k - 1) - 1) // s + 1
-        for tap in range(k):
-            # Tap ``tap`` of output o reads input position o * s - p + tap * d.
-            if not any(0 <= o * s - p + tap * d < n for o in range(max(outputs, 0))):
-                return True
-    return False
+    return any(
+        lo >= hi
+        for n, k, s, p, d in zip(size, kernel, stride, padding, dilation)
+        for lo, hi in tap_ranges(n, k, s, p, d)[1]
+    )
 
 
 def _leading_padding(conv: _ConvNd) -> tuple[int, ...]:

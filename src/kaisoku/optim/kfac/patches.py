@@ -21,25 +21,13 @@ from __future__ import annotations
 
 import torch
 
+from kaisoku.conv_geometry import tap_ranges
+
 #: Samples per chunk are chosen so that ``U`` holds about this many elements (16 MiB of float32).
 CHUNK_ELEMENTS = 1 << 22
 #: A block is computed on cropped copies when ``C * (positions saved)`` exceeds this many times the
 #: positions kept: a copy costs tens of multiply-adds per element, a block's row C of them.
 CROP_RATIO = 64.0
-
-
-def _valid_ranges(
-    size: int, kernel: int, stride: int, padding: int, dilation: int
-) -> tuple[int, list[tuple[int, int]]]:
-    """Output length and, per kernel offset, the output positions ``[lo, hi)`` whose input is not padding."""
-    out = (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
-    ranges = []
-    for offset in range(kernel):
-        start = offset * dilation - padding  # input index under output position 0
-        lo = 0 if start >= 0 else -(start // stride)  # ceil(-start / stride)
-        hi = min(out, (size - 1 - start) // stride + 1) if size - 1 - start >= 0 else 0
-        ranges.append((min(lo, out), max(min(lo, out), hi)))
-    return out, ranges
 
 
 def _intersect(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
@@ -62,8 +50,8 @@ def patch_sums(
     """
     n, channels, height, width = x.shape
     kh, kw = kernel_size
-    out_h, rows_h = _valid_ranges(height, kh, stride[0], padding[0], dilation[0])
-    out_w, rows_w = _valid_ranges(width, kw, stride[1], padding[1], dilation[1])
+    out_h, rows_h = tap_ranges(height, kh, stride[0], padding[0], dilation[0])
+    out_w, rows_w = tap_ranges(width, kw, stride[1], padding[1], dilation[1])
     offsets = [(i, j) for i in range(kh) for j in range(kw)]
     k = len(offsets)
     positions = out_h * out_w
