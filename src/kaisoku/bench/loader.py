@@ -214,15 +214,19 @@ def _peer_builders(row_set: RowSet, peer_dir: Path) -> dict[str, Callable[[], lo
             images.folder, decoder="simplejpeg", batch=BATCH, workers=WORKERS, crop=crop
         ),
         "litdata": lambda: loader_peers.litdata(
-            files, peer_dir / f"{stem}-litdata", batch=BATCH, workers=WORKERS, crop=crop
+            files,
+            loader_peers.format_folder(peer_dir, stem, "litdata"),
+            batch=BATCH,
+            workers=WORKERS,
+            crop=crop,
         ),
     }
     if not crop:  # these two peers do decode + flip only
         builders["webdataset"] = lambda: loader_peers.webdataset(
-            files, peer_dir / f"{stem}-wds", batch=BATCH, workers=WORKERS
+            files, loader_peers.format_folder(peer_dir, stem, "webdataset"), batch=BATCH, workers=WORKERS
         )
         builders["mds"] = lambda: loader_peers.mds(
-            files, peer_dir / f"{stem}-mds", batch=BATCH, workers=WORKERS
+            files, loader_peers.format_folder(peer_dir, stem, "mds"), batch=BATCH, workers=WORKERS
         )
     return builders
 
@@ -263,7 +267,7 @@ def _part_a_set(row_set: RowSet, peer_dir: Path, warm_up: bool) -> tuple[list[di
             raise loader_peers.PeerMissing("not run with --quick (its first epoch compiles for ~30 s)")
         ffcv = loader_peers.FFCVRow(
             image_set.shuffled_files(),
-            peer_dir / f"{image_set.folder.parent.name}-ffcv",
+            loader_peers.format_folder(peer_dir, image_set.folder.parent.name, "ffcv"),
             batch=BATCH,
             workers=WORKERS,
             crop=size if row_set.crop else 0,

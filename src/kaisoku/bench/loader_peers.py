@@ -32,6 +32,14 @@ PEERS = ("imagefolder-pil", "imagefolder-simplejpeg", "webdataset", "mds", "litd
 
 _DONE = ".kaisoku-bench-complete"
 
+_FORMAT_SUFFIX = {"litdata": "litdata", "mds": "mds", "webdataset": "wds", "ffcv": "ffcv"}
+
+
+def format_folder(peer_dir: Path, stem: str, peer: str) -> Path:
+    """Where ``peer``'s format of the image set named ``stem`` is written (once, kept between runs): the one
+    naming ``kaisoku bench loader`` and ``kaisoku bench slowfs`` share, so each reuses the other's."""
+    return peer_dir / f"{stem}-{_FORMAT_SUFFIX[peer]}"
+
 
 class PeerMissing(Exception):
     """A peer's library is not installed; the message says which package to install."""

@@ -30,12 +30,10 @@ CACHE = {
 }
 """What each peer keeps locally while it reads from the mount."""
 
-_FOLDER = {"litdata": "litdata", "mds": "mds", "webdataset": "wds"}  # as kaisoku bench loader names them
-
 
 def peer_folder(image_set: ImageSet, peer_dir: Path, name: str) -> Path:
     """Where peer ``name``'s format of ``image_set`` is kept (the folder ``kaisoku bench loader`` uses)."""
-    return peer_dir / f"{image_set.folder.parent.name}-{_FOLDER[name]}"
+    return loader_peers.format_folder(peer_dir, image_set.folder.parent.name, name)
 
 
 def write_format(image_set: ImageSet, peer_dir: Path, name: str) -> None:
