@@ -338,9 +338,8 @@ def crop_decode_into(
     sy, sx = image.shape[0] / height, image.shape[1] / width
     # The scaled box on whole pixels (at most half a scaled pixel off, in an approximate path anyway), so
     # that it resamples with the fast whole-pixel kernel; unscaled, it is exactly the full decode's crop.
-    box = (round(left * sx), round(top * sy), round(right * sx), round(bottom * sy))
-    box = (min(box[0], image.shape[1] - 1), min(box[1], image.shape[0] - 1), *box[2:])
-    box = (box[0], box[1], max(box[2], box[0] + 1), max(box[3], box[1] + 1))
+    x0, y0 = min(round(left * sx), image.shape[1] - 1), min(round(top * sy), image.shape[0] - 1)
+    box = (x0, y0, max(round(right * sx), x0 + 1), max(round(bottom * sy), y0 + 1))
     resized = _resize_box(image, box, spec.size)
     if flip:
         resized = resized[:, ::-1]
