@@ -24,7 +24,18 @@ def fingerprint(folder: Path = RECORDED) -> dict[str, tuple[int, str]]:
 def check_record(record: dict[str, Any], expected_goals: set[str]) -> None:
     """Assert the provenance fields, that ``expected_goals`` are all in the summary, and that every goal
     there has value/goal/met (and a reason where it has no value)."""
-    for key in ("command", "argv", "commit", "dirty", "torch", "python", "cpu", "cpu_cores", "wall_seconds"):
+    for key in (
+        "command",
+        "argv",
+        "commit",
+        "dirty",
+        "torch",
+        "python",
+        "cpu",
+        "cpu_cores",
+        "gpu",
+        "wall_seconds",
+    ):
         assert key in record, key
     assert record["command"].startswith("kaisoku bench ")
     assert "+dirty" not in record["commit"]

@@ -210,7 +210,7 @@ def locate_mnist() -> Path | None:
 
 
 def provenance(info: RunInfo) -> dict[str, Any]:
-    """What a result depends on: command, commit and tree state, versions, CPU, load and wall time."""
+    """What a result depends on: command, commit and tree state, versions, CPU, GPU (None without one), load and wall time."""
     record: dict[str, Any] = {
         "command": info.command(),
         "argv": info.argv,
@@ -225,6 +225,7 @@ def provenance(info: RunInfo) -> dict[str, Any]:
             "python": platform.python_version(),
             "cpu": cpu_model(),
             "cpu_cores": len(os.sched_getaffinity(0)),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "load_average": {"before": info.load_before, "after": load_average()},
             "wall_seconds": round(time.perf_counter() - info.started, 1),
         }

@@ -41,6 +41,7 @@ def _child(
     args: tuple[Any, ...],
     env: dict[str, str],
     collective_timeout: float,
+    backend: str,
 ) -> None:
     import torch.distributed as dist
 
@@ -48,12 +49,18 @@ def _child(
     torch.set_num_threads(1)
     result_path = Path(tmp) / f"result_{rank}.pt"
     try:
+        extra: dict[str, Any] = {}
+        if backend == "nccl":
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+            extra["device_id"] = device
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{tmp}/rendezvous",
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_timeout),
+            **extra,
         )
         result = fn(rank, world_size, Path(tmp), *args)
         dist.barrier()
@@ -72,11 +79,13 @@ def run_ranks(
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
     collective_timeout: float = 60.0,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, tmp_dir, *args)`` on ``world_size`` gloo ranks; return each rank's result.
 
     ``timeout``: seconds for the whole run, after which every rank is killed; ``collective_timeout``:
-    the process group's timeout; ``env``: variables set in each rank before the group starts.
+    the process group's timeout; ``env``: variables set in each rank before the group starts;
+    ``backend``: ``"nccl"`` puts rank r on ``cuda:r`` (modulo the devices) and creates its communicator eagerly.
     Raises AssertionError with the failing rank's traceback, or on a timeout after killing every rank.
     """
     tmp = tmp_path / f"ranks{world_size}"
@@ -86,7 +95,7 @@ def run_ranks(
     (tmp / "rendezvous").unlink(missing_ok=True)
     procs = [
         _CONTEXT.Process(
-            target=_child, args=(fn, rank, world_size, str(tmp), args, env or {}, collective_timeout)
+            target=_child, args=(fn, rank, world_size, str(tmp), args, env or {}, collective_timeout, backend)
         )
         for rank in range(world_size)
     ]
