@@ -142,3 +142,49 @@ def test_compiled_lars_matches_eager_on_cuda() -> None:
         results.append([c.detach() for c in copies])
     for eager, compiled in zip(*results, strict=True):
         assert torch.allclose(eager, compiled, rtol=1e-5, atol=1e-6)
+
+
+def test_more_ranks_than_gpus_run_on_the_cpu_under_auto_and_stop_under_cuda() -> None:
+    from kaisoku.distributed.env import pick_device
+    from kaisoku.errors import KaisokuError
+
+    count = torch.cuda.device_count()
+    assert (
+        pick_device("auto", World(rank=0, world_size=count, local_rank=0, local_world_size=count)).type
+        == "cuda"
+    )
+    crowded = World(rank=0, world_size=count + 1, local_rank=0, local_world_size=count + 1)
+    assert pick_device("auto", crowded) == torch.device("cpu")
+    with pytest.raises(KaisokuError, match=f"--nproc {count} or --train.device cpu") as info:
+        pick_device("cuda", crowded)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.timeout(180)
+def test_cosmoflow_trains_on_cuda(tmp_path: Path) -> None:
+    import numpy as np
+
+    from kaisoku.data.cosmo import universe_arrays
+    from kaisoku.data.writer import pack
+
+    x, y = universe_arrays(16, 8, seed=0)
+    xv, yv = universe_arrays(8, 8, seed=0, split="val")
+    np.savez(tmp_path / "cosmo.npz", x_train=x, y_train=y, x_val=xv, y_val=yv)
+    pack(tmp_path / "cosmo.npz", tmp_path / "packed", codec="delta", workers=1, progress=False)
+    cfg = tiny_config(
+        tmp_path / "packed",
+        tmp_path / "run",
+        model__name="cosmoflow",
+        model__width=4,
+        data__image_size=8,
+        data__global_batch=8,
+        optim__name="adamw",
+        optim__lr=1e-3,
+        train__max_steps=4,
+        train__device="cuda",
+    )
+    validate(cfg, world_size=1)
+    trainer = build_trainer(cfg, World())
+    summary = trainer.fit()
+    trainer.metrics.close()
+    assert torch.isfinite(torch.tensor(summary["final_loss"]))

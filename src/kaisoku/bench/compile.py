@@ -10,7 +10,8 @@ way minus the eager warm-up.
 ``auto`` is judged as a user meets it: :func:`~kaisoku.engine.compile.compile_for_training` makes its
 choice from its own 20-step trial, then the chosen way's step time (from the interleaved rows, measured
 independently of the trial) is compared with eager's. Goal: auto is never more than 3% slower than eager
-in any case. CPU figures: 1 torch thread, as in a shared machine's share.
+in any case. CPU figures: 1 torch thread, as in a shared machine's share. On a machine with a GPU the
+cases run there (float32, the record's ``gpu`` names it), each step timed to the device's completion.
 """
 
 from __future__ import annotations
@@ -37,16 +38,23 @@ CASES: dict[str, tuple[str, str, tuple[int, int, int, int], int]] = {
 WAYS = ("off", "model", "optimizer", "all")
 
 
+def bench_device() -> torch.device:
+    """The GPU where one is visible (its record then names it), else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
 def measure_case(
     case: str, *, ways: tuple[str, ...], repeats: int, judge_auto: bool = True
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Rows (one per way) and the auto verdict of ``case`` (None when ``judge_auto`` is off)."""
     name, stem, shape, classes = CASES[case]
     torch.manual_seed(0)
+    device = bench_device()
     model = build_model(name, num_classes=classes, stem=stem, in_channels=shape[1], size=shape[-1])
+    model = model.to(device)
     optimizer = build_optimizer(model, OptimConfig(name="sgd", lr=0.05))
     loss_fn = torch.nn.CrossEntropyLoss()
-    batch = synthetic_batch(shape, classes, torch.device("cpu"), seed=0)
+    batch = synthetic_batch(shape, classes, device, seed=0)
     trial = Trial(loss_fn, batch, contextlib.nullcontext)
     warmups: dict[str, float] = {}
     steps = {}
@@ -120,7 +128,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         rows + autos,
         quick=quick,
         notes=(
-            "CPU, 1 torch thread, SGD momentum 0.9, fixed synthetic batch; one training step per row "
+            f"{bench_device().type.upper()}, 1 torch thread, SGD momentum 0.9, fixed synthetic batch; one training step per row "
             "(forward, backward, optimizer step), rows interleaved, median. compile_s: warm-up (3 steps) "
             "minus the eager warm-up. auto: the way compile_for_training('auto') kept from its own 20-step "
             "trial, judged by the interleaved rows."

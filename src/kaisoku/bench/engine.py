@@ -94,6 +94,7 @@ class MinimalLoop:
         ).to(device)
         self.optimizer = build_optimizer(model, cfg.optim)
         self.model = wrap_ddp(model, device, plan=BucketPlan(mode="uniform"))
+        self.device = device
         self.loader = data.train_loader
         self.sampler = data.train_sampler
         self.mean, self.std = data.mean, data.std
@@ -116,6 +117,10 @@ class MinimalLoop:
         self.model.train()
         for _ in range(steps):
             images, labels = self._next()
+            images, labels = (
+                images.to(self.device, non_blocking=True),
+                labels.to(self.device, non_blocking=True),
+            )
             loss = nn.functional.cross_entropy(self.model(normalize(images, self.mean, self.std)), labels)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()

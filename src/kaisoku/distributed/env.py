@@ -101,11 +101,20 @@ def _slurm_master_addr() -> str:
 
 
 def pick_device(preference: str, world: World) -> torch.device:
-    """The device for this rank: ``cuda:<local rank>`` when asked for (or auto) and available, else CPU."""
-    if preference == "cuda" and not torch.cuda.is_available():
+    """The device for this rank: ``cuda:<local rank>`` when asked for (or auto) and every rank of the node can
+    have a GPU of its own, else CPU. NCCL refuses two ranks on one GPU, so ``auto`` with more ranks than
+    GPUs on a node runs on the CPU (gloo), and ``cuda`` stops with one line."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if preference == "cuda" and count == 0:
         raise KaisokuError("train.device is cuda but no CUDA device is visible; use --train.device cpu")
-    if preference in ("cuda", "auto") and torch.cuda.is_available():
-        return torch.device("cuda", world.local_rank % torch.cuda.device_count())
+    if preference == "cuda" and world.local_world_size > count:
+        raise KaisokuError(
+            f"train.device is cuda with {world.local_world_size} ranks on this node but {count} CUDA "
+            f"device{'s' if count != 1 else ''}: NCCL needs one GPU per rank; use --nproc {count} or "
+            "--train.device cpu"
+        )
+    if preference in ("cuda", "auto") and 0 < world.local_world_size <= count:
+        return torch.device("cuda", world.local_rank % count)
     return torch.device("cpu")
 
 

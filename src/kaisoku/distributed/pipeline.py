@@ -26,6 +26,8 @@ replica batch without stalling the pipeline):
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +56,14 @@ OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimi
 BALANCE_NAMES: tuple[str, ...] = ("parameters", "time")
 
 _BASE_MOMENTUM = "_kaisoku_base_momentum"
+
+
+@functools.cache
+def _step_arguments(schedule_class: type) -> tuple[bool, bool]:
+    """Whether this torch's ``schedule.step`` takes pre-split micro-batches (``arg_mbs``) and
+    ``return_outputs``: older releases take neither and pass unknown keywords on to the model."""
+    parameters = inspect.signature(schedule_class.step).parameters
+    return "arg_mbs" in parameters, "return_outputs" in parameters
 
 
 # --------------------------------------------------------------------------------------------------
@@ -316,13 +326,24 @@ class HybridParallel:
             self._schedules[key] = self._build_schedule(inputs)
         schedule, _ = self._schedules[key]
         kwargs: dict[str, Any] = {}
+        args: tuple[torch.Tensor, ...] = ()
         losses: list[torch.Tensor] = []
-        if self.holds_first:
-            kwargs["arg_mbs"] = [(inputs[i * size : (i + 1) * size].to(self.device),) for i in range(m)]
+        pre_split, return_outputs = _step_arguments(type(schedule))
+        if pre_split:
+            if self.holds_first:
+                kwargs["arg_mbs"] = [(inputs[i * size : (i + 1) * size].to(self.device),) for i in range(m)]
+            if self.holds_last:
+                kwargs["target_mbs"] = [targets[i * size : (i + 1) * size].to(self.device) for i in range(m)]
+        else:  # older torch splits the whole batch itself, into the same equal chunks
+            if self.holds_first:
+                args = (inputs.to(self.device),)
+            if self.holds_last:
+                kwargs["target"] = targets.to(self.device)
         if self.holds_last:
-            kwargs["target_mbs"] = [targets[i * size : (i + 1) * size].to(self.device) for i in range(m)]
             kwargs["losses"] = losses
-        schedule.step(return_outputs=False, **kwargs)
+        if return_outputs:
+            kwargs["return_outputs"] = False
+        schedule.step(*args, **kwargs)
         if self.holds_last:
             return torch.stack([loss.detach() for loss in losses]).mean().reshape(1).to(torch.float64).cpu()
         return torch.zeros(1, dtype=torch.float64)

@@ -69,8 +69,9 @@ def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer
         size=sample_shape[-1],
         width=cfg.model.width,
     ).to(device)
-    # Pipeline stages send plain contiguous activations: channels-last only on the DDP path.
-    channels_last = device.type == "cuda" and not hybrid
+    # Pipeline stages send plain contiguous activations: channels-last only on the DDP path, and only for
+    # images (a 3-D CNN's 5-D weights have no channels_last format).
+    channels_last = device.type == "cuda" and not hybrid and len(sample_shape) == 3
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     precision = Precision(cfg.precision.mode, device)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
@@ -104,6 +105,15 @@ def _contexts(mode: RecomputeMode, buffers: Sequence[torch.Tensor]) -> tuple[Any
     return forward_ctx, _Recompute()
 
 
+# Newer torch lets saved-tensors hooks see what selective recomputation keeps; older torch has no such
+# argument (and would pass it on to the block), so it is given only where checkpoint takes it.
+_HOOKS_ARGUMENT: dict[str, Any] = (
+    {"respect_saved_tensors_hooks": True}
+    if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
+    else {}
+)
+
+
 class CheckpointedBlock(nn.Module):
     """``block`` run through the non-reentrant checkpoint in ``mode`` (blocks or selective)."""
 
@@ -118,14 +128,13 @@ class CheckpointedBlock(nn.Module):
         if not (self.training and torch.is_grad_enabled()):
             return self.block(x)
         context_fn = functools.partial(_contexts, self.mode, self._buffers_to_restore)
-        # Saved tensors hooks (compression, offload, measurement) see what selective recomputation keeps.
         return checkpoint(
             self.block,
             x,
             use_reentrant=False,
             preserve_rng_state=True,
             context_fn=context_fn,
-            respect_saved_tensors_hooks=True,
+            **_HOOKS_ARGUMENT,
         )
 
 
