@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kaisoku.errors import ConfigError
-from kaisoku.memory.checkpointing import apply_recompute, parse_block_list
+from kaisoku.memory.checkpointing import _HOOKS_ARGUMENT, apply_recompute, parse_block_list
 from kaisoku.models.blocks import ordered_blocks
 from tests.memory.helpers import assert_same_state, batches, optimizer_for, small_resnet, small_vit, train
 
@@ -61,7 +61,9 @@ def test_recompute_saves_fewer_tensors() -> None:
         return total
 
     plain, blocks, selective = saved_bytes("none"), saved_bytes("blocks"), saved_bytes("selective")
-    assert blocks < selective < plain
+    assert blocks < plain
+    if _HOOKS_ARGUMENT:  # older torch hides what selective recomputation keeps from outer hooks
+        assert blocks < selective < plain
 
 
 def test_block_list() -> None:

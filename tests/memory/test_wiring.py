@@ -39,6 +39,8 @@ def test_recompute_refused_under_pipeline() -> None:
 
 
 def _trained(data, run_dir, **memory: object):
+    import torch
+
     from kaisoku.config import apply_override
     from kaisoku.distributed.env import World
     from kaisoku.engine.build import build_trainer
@@ -58,7 +60,8 @@ def _trained(data, run_dir, **memory: object):
         apply_override(cfg, f"memory.{key}", value)
     validate(cfg, world_size=1)
     trainer = build_trainer(cfg, World())
-    summary = trainer.fit()
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):  # exact on a GPU too
+        summary = trainer.fit()
     trainer.metrics.close()
     return trainer.engine.model.state_dict(), summary
 

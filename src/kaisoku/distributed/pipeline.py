@@ -58,6 +58,15 @@ BALANCE_NAMES: tuple[str, ...] = ("parameters", "time")
 _BASE_MOMENTUM = "_kaisoku_base_momentum"
 
 
+def schedules_take_microbatches() -> bool:
+    """True where torch's pipeline schedules take pre-split micro-batches. Where they do not (older
+    releases), the first step of each schedule also runs every stage's forward once for shape inference,
+    which gives BatchNorm running statistics one extra update."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    return _step_arguments(Schedule1F1B)[0]
+
+
 @functools.cache
 def _step_arguments(schedule_class: type) -> tuple[bool, bool]:
     """Whether this torch's ``schedule.step`` takes pre-split micro-batches (``arg_mbs``) and
