@@ -188,3 +188,20 @@ def test_cosmoflow_trains_on_cuda(tmp_path: Path) -> None:
     summary = trainer.fit()
     trainer.metrics.close()
     assert torch.isfinite(torch.tensor(summary["final_loss"]))
+
+
+@pytest.mark.parametrize("name", ["LARS", "LAMB"])
+def test_eager_layerwise_step_launches_no_kernel_per_tensor(name: str) -> None:
+    import kaisoku.optim as optim
+    from kaisoku.bench.optim import cuda_kernels_per_step
+
+    device = torch.device("cuda")
+    generator = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(16, 8 + i % 5, generator=generator).to(device)) for i in range(300)]
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator).to(device)
+    optimizer = getattr(optim, name)(params, lr=0.01, weight_decay=1e-4)
+    for _ in range(2):
+        optimizer.step()
+    # A 0-dim scale tensor per parameter in a _foreach call would launch one kernel per tensor (>= 300).
+    assert cuda_kernels_per_step(optimizer) < 100

@@ -451,12 +451,16 @@ class LAMB(_LayerwiseOptimizer):
             lr: float | Tensor = float(group["lr"])
             if self._compile:
                 lr = self._lr_tensor(index, device, lr)
-            # Bias corrections computed on the host in double precision (no device work), then sent as one
-            # tensor: the compiled update sees new values, not new constants, so it never recompiles.
-            corrections = torch.tensor(
-                [[1 / (1 - beta1**t) for t in steps], [(1 - beta2**t) ** -0.5 for t in steps]],
-                dtype=torch.float32,
-            ).to(device, non_blocking=True)
+            # Bias corrections computed on the host in double precision (no device work). Eager: as scalar
+            # lists, which a _foreach call applies in one kernel (a list of 0-dim tensors would launch one
+            # kernel per tensor on CUDA). Compiled: sent as one tensor, so that new values are not new
+            # constants and the update never recompiles.
+            bias_corrections = ([1 / (1 - beta1**t) for t in steps], [(1 - beta2**t) ** -0.5 for t in steps])
+            corrections: Tensor | tuple[list[float], list[float]] = bias_corrections
+            if self._compile:
+                corrections = torch.tensor(bias_corrections, dtype=torch.float32).to(
+                    device, non_blocking=True
+                )
             self._update(
                 params,
                 grads,
@@ -478,7 +482,7 @@ def lamb_update(
     grads: list[Tensor],
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
-    corrections: Tensor,
+    corrections: Tensor | tuple[list[float], list[float]],
     *,
     count: int,
     lr: float | Tensor,
@@ -490,20 +494,25 @@ def lamb_update(
 ) -> None:
     """The LAMB update in place: the first ``count`` tensors adapted, the rest excluded (see :class:`LAMB`).
 
-    ``corrections`` is ``[1 / (1 - beta1^t), (1 - beta2^t)^-0.5]`` per tensor (shape ``(2, n)``, ``t`` its
-    step count). ``lr`` may be a 0-dim tensor (the compiled path passes one so that a changing learning
-    rate does not recompile).
+    ``corrections`` is ``[1 / (1 - beta1^t), (1 - beta2^t)^-0.5]`` per tensor (``t`` its step count): two
+    lists of floats, or a ``(2, n)`` tensor (the compiled path). ``lr`` may be a 0-dim tensor (the compiled
+    path passes one so that a changing learning rate does not recompile).
     """
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
     # u = m / bc1 / (sqrt(v) / sqrt(bc2) + eps), bias corrections per tensor.
-    inv_bc1, inv_sqrt_bc2 = corrections.unbind(0)
+    inv_bc1: list[float] | list[Tensor]
+    inv_sqrt_bc2: list[float] | list[Tensor]
+    if isinstance(corrections, Tensor):
+        inv_bc1, inv_sqrt_bc2 = (list(row.unbind(0)) for row in corrections)
+    else:
+        inv_bc1, inv_sqrt_bc2 = corrections
     denom = list(torch._foreach_sqrt(exp_avg_sqs))
-    torch._foreach_mul_(denom, list(inv_sqrt_bc2.unbind(0)))
+    torch._foreach_mul_(denom, inv_sqrt_bc2)
     torch._foreach_add_(denom, eps)
     updates = list(torch._foreach_div(exp_avgs, denom))
-    torch._foreach_mul_(updates, list(inv_bc1.unbind(0)))
+    torch._foreach_mul_(updates, inv_bc1)
 
     params_a, updates_a = params[:count], updates[:count]
     scale: Coeff = -lr
