@@ -39,6 +39,9 @@ BENCHMARKS: dict[str, str] = {
 #: Where recorded results live, relative to a checkout.
 RESULTS = Path("benchmarks") / "results"
 
+#: Benchmarks made of cases that ``--case`` may pick one of.
+CASES: dict[str, tuple[str, ...]] = {"kfac": ("mnist", "resnet10-shapes")}
+
 
 def run_benchmark(name: str, quick: bool, out_dir: Path) -> dict[str, Any]:
     """Import benchmark ``name`` and run it."""
@@ -80,6 +83,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mnist", default="", help="the MNIST .npz archive (default: $KAISOKU_MNIST, shared/data)"
+    )
+    p.add_argument(
+        "--case",
+        default="",
+        help="run one case of a benchmark with several (kfac: "
+        + ", ".join(CASES["kfac"])
+        + "); default: every case this machine can run",
     )
     return p
 
@@ -136,7 +146,17 @@ def main(argv: Sequence[str]) -> int:
     out_dir = resolve_out(
         args.out, quick=args.quick, allow_dirty=args.allow_dirty, repo=source_repo(), name=args.name
     )
-    info = start_run(argv, quick=args.quick, mnist=mnist)
+    if args.case and args.case not in CASES.get(args.name, ()):
+        known = CASES.get(args.name)
+        raise ConfigError(
+            f"--case {args.case}: "
+            + (
+                f"kaisoku bench {args.name} has the cases {', '.join(known)}"
+                if known
+                else f"kaisoku bench {args.name} has no cases"
+            )
+        )
+    info = start_run(argv, quick=args.quick, mnist=mnist, case=args.case)
     if info.tree.dirty:
         print(
             f"kaisoku bench: the tree is dirty; recording diff sha256 {info.tree.diff_sha256}",

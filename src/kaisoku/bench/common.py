@@ -157,6 +157,8 @@ class RunInfo:
     tree: TreeState
     mnist: Path | None = None
     via_cli: bool = True
+    case: str = ""
+    """``kaisoku bench --case``: the one case to run of a benchmark that has several ("" runs them all)."""
     started: float = field(default_factory=time.perf_counter)
     load_before: list[float] = field(default_factory=load_average)
 
@@ -169,13 +171,15 @@ _CURRENT: list[RunInfo] = []
 
 
 def start_run(
-    argv: Sequence[str], *, quick: bool, mnist: Path | None = None, via_cli: bool = True
+    argv: Sequence[str], *, quick: bool, mnist: Path | None = None, via_cli: bool = True, case: str = ""
 ) -> RunInfo:
     """Mark the start of a run: the command line, the tree's state and the load average, now.
 
     ``argv``: the arguments of ``kaisoku bench`` (``via_cli``), else the process's whole command line.
     """
-    info = RunInfo(argv=list(argv), quick=quick, tree=tree_state(source_repo()), mnist=mnist, via_cli=via_cli)
+    info = RunInfo(
+        argv=list(argv), quick=quick, tree=tree_state(source_repo()), mnist=mnist, via_cli=via_cli, case=case
+    )
     _CURRENT[:] = [info]
     return info
 
@@ -190,6 +194,11 @@ def current_run(quick: bool = False) -> RunInfo:
     if not _CURRENT:
         start_run(sys.argv, quick=quick, via_cli=False)
     return _CURRENT[0]
+
+
+def selected_case() -> str:
+    """The case ``kaisoku bench --case`` asked for ("" when none)."""
+    return _CURRENT[0].case if _CURRENT else ""
 
 
 def locate_mnist() -> Path | None:

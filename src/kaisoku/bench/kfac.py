@@ -1,7 +1,8 @@
-"""``kaisoku bench kfac``: wall time to a target MNIST test accuracy for SGD, LARS and K-FAC on 2 CPU ranks.
+"""``kaisoku bench kfac``: wall time to a target test accuracy for SGD, LARS and K-FAC.
 
-A small BatchNorm CNN (``SmallCNN``, width 16) is trained data-parallel (DDP, gloo, one thread per rank)
-at global batch 2,048 by three methods with the same tuning budget: SGD and LARS each tune the learning
+This module is the training run shared by the cases (:mod:`kaisoku.bench.kfac_cases` holds the cases, the
+summary and the record). In the mnist case a small BatchNorm CNN (``SmallCNN``, width 16) is trained
+data-parallel (DDP, gloo, one thread per rank) at global batch 2,048 by three methods with the same tuning budget: SGD and LARS each tune the learning
 rate over a 3-point grid, K-FAC (in front of momentum SGD, factor statistics on a quarter of the batch)
 tunes kl_clip, its step size, over 3 points; every grid is extended while its best point is at an edge.
 Every method gets warmup then cosine decay over the cap. Per seed (initial weights and data order), SGD
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from kaisoku.bench.common import fast_bf16, goal, locate_mnist, median_iqr, print_table, write_result
+from kaisoku.bench.common import fast_bf16
 from kaisoku.distributed.spawn import run_ranks
 from kaisoku.optim.kfac import KFAC
 
@@ -61,6 +62,11 @@ class Plan:
     """Points added beyond an edge of a grid whose best point sits on that edge, at most."""
     target_drop: float = 0.005
     """The target is the best test accuracy SGD reaches within the cap, minus this."""
+    case: str = "mnist"
+    """mnist (SmallCNN on MNIST) or resnet10-shapes (resnet10 on the generated shapes set)."""
+    world_size: int = WORLD_SIZE
+    device: str = "cpu"
+    """cpu (gloo ranks) or cuda (NCCL, one GPU per rank)."""
 
 
 FULL_PLAN = Plan(
@@ -113,8 +119,13 @@ def second_method() -> tuple[str, str]:
 # The model and the data.
 
 
-def build_model() -> nn.Module:
-    """The benchmarked model: ``SmallCNN`` of width 16 when available, else an equivalent local CNN."""
+def build_model(case: str = "mnist") -> nn.Module:
+    """The benchmarked model: ``SmallCNN`` of width 16 (mnist; an equivalent local CNN where the zoo lacks
+    it), or resnet10 with the compact stem for 16 px RGB shapes (resnet10-shapes)."""
+    if case == "resnet10-shapes":
+        from kaisoku.bench.kfac_cases import shapes_resnet10
+
+        return shapes_resnet10()
     try:
         from kaisoku.models.zoo import SmallCNN
     except ImportError:  # pragma: no cover - the model zoo ships with kaisoku
@@ -134,13 +145,19 @@ def _fallback_cnn() -> nn.Module:
 
 
 def _load(path: Path, plan: Plan) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The splits as normalised float tensors: MNIST's ``(N, 28, 28)`` with its usual constants, or
+    ``(N, C, H, W)`` uint8 images with the training split's per-channel mean and std."""
     arrays = np.load(path, allow_pickle=False)
     splits: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    mean, std = torch.tensor(0.1307), torch.tensor(0.3081)
+    if arrays["x_train"].ndim == 4:
+        train = torch.from_numpy(arrays["x_train"]).float().div_(255.0)
+        mean, std = train.mean(dim=(0, 2, 3)).view(1, -1, 1, 1), train.std(dim=(0, 2, 3)).view(1, -1, 1, 1)
     for split, limit in (("train", plan.train_limit), ("val", plan.eval_limit), ("test", plan.eval_limit)):
-        x = arrays[f"x_{split}"][:limit]
+        x = torch.from_numpy(arrays[f"x_{split}"][:limit].astype(np.float32)) / 255.0
         y = arrays[f"y_{split}"][:limit]
-        images = (torch.from_numpy(x.astype(np.float32)) / 255.0 - 0.1307) / 0.3081
-        splits[split] = (images.unsqueeze(1).contiguous(), torch.from_numpy(y.astype(np.int64)))
+        images = ((x if x.ndim == 4 else x.unsqueeze(1)) - mean) / std
+        splits[split] = (images.contiguous(), torch.from_numpy(y.astype(np.int64)))
     return splits
 
 
@@ -163,6 +180,16 @@ def _make_optimizer(method: str, model: nn.Module, lr: float) -> torch.optim.Opt
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
 
+def _device(plan: Plan) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if plan.device == "cuda" else torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so that a wall-clock reading includes it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.no_grad()
 def _accuracy(model: nn.Module, split: tuple[torch.Tensor, torch.Tensor], rank: int, world: int) -> float:
     model.eval()
@@ -174,7 +201,7 @@ def _accuracy(model: nn.Module, split: tuple[torch.Tensor, torch.Tensor], rank: 
         logits = model(xs[start : start + 1000])
         correct += int((logits.argmax(1) == ys[start : start + 1000]).sum())
     model.train()
-    total = torch.tensor([correct, len(xs)], dtype=torch.float64)
+    total = torch.tensor([correct, len(xs)], dtype=torch.float64, device=x.device)
     dist.all_reduce(total)
     return float(total[0] / total[1])
 
@@ -218,7 +245,10 @@ def train_run(
     ``plan.kfac_lr``). ``stop_at``: stop once the evaluated accuracy reaches it.
     """
     torch.manual_seed(seed)
-    model = DistributedDataParallel(build_model())
+    device = _device(plan)
+    model = DistributedDataParallel(
+        build_model(plan.case).to(device), device_ids=[device.index] if device.type == "cuda" else None
+    )
     base_method = "sgd" if method == "kfac" else method
     lr = plan.kfac_lr if method == "kfac" else setting
     optimizer = _make_optimizer(base_method, model.module, lr)
@@ -242,23 +272,27 @@ def train_run(
         if index == 0:
             order = epoch_order(seed, epoch, len(x_train))
         batch = order[index * plan.global_batch : (index + 1) * plan.global_batch]
-        mine = torch.from_numpy(batch[rank * per_rank : (rank + 1) * per_rank])
+        mine = torch.from_numpy(batch[rank * per_rank : (rank + 1) * per_rank]).to(device)
         x, y = x_train[mine], y_train[mine]
         for group in optimizer.param_groups:
             group["lr"] = lr * lr_factor(step, plan.warmup_steps, cap_steps)
+        _sync(device)
         dist.barrier()
         t0 = time.perf_counter()
         hooks_before = kfac.timings.get("factor", 0.0) if kfac else 0.0
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
+        _sync(device)
         t1 = time.perf_counter()
         hooks = (kfac.timings.get("factor", 0.0) - hooks_before) if kfac else 0.0
         split_seconds["forward_backward"] += (t1 - t0) - hooks
         if kfac is not None:
             kfac.step()
+        _sync(device)
         t2 = time.perf_counter()
         optimizer.step()
+        _sync(device)
         t3 = time.perf_counter()
         split_seconds["optimizer"] += t3 - t2
         wall += t3 - t0
@@ -346,7 +380,8 @@ def _worker(
 ) -> dict[str, Any]:
     fields = ("lr_grid", "kfac_grid")
     plan = Plan(**{**plan_dict, **{key: tuple(plan_dict[key]) for key in fields}})
-    data = _load(Path(data_path), plan)
+    device = _device(plan)
+    data = {name: (x.to(device), y.to(device)) for name, (x, y) in _load(Path(data_path), plan).items()}
     # K-FAC right after SGD, so that a time limit cuts the peer rather than the compared pair.
     methods = ["sgd", "kfac", second_method()[0]]
     grid: list[dict[str, Any]] = []
@@ -358,7 +393,7 @@ def _worker(
 
             def score(value: float, method: str = method) -> float:
                 run = train_run(
-                    method, value, plan, data, rank, WORLD_SIZE,
+                    method, value, plan, data, rank, plan.world_size,
                     seed=plan.seed, max_steps=plan.grid_steps, eval_split="val", stop_at=None,
                 )  # fmt: skip
                 return -1.0 if run["diverged"] else run["final_acc"]
@@ -373,7 +408,7 @@ def _worker(
         seed = plan.seed + repeat
         # SGD runs its whole cap; the target of this seed is its best accuracy less target_drop.
         sgd = train_run(
-            "sgd", best["sgd"], plan, data, rank, WORLD_SIZE,
+            "sgd", best["sgd"], plan, data, rank, plan.world_size,
             seed=seed, max_steps=None, eval_split="test", stop_at=None,
         )  # fmt: skip
         target = max((p["acc"] for p in sgd["curve"]), default=plan.target) - plan.target_drop
@@ -389,7 +424,7 @@ def _worker(
                     plan,
                     data,
                     rank,
-                    WORLD_SIZE,
+                    plan.world_size,
                     seed=seed,
                     max_steps=None,
                     eval_split="test",
@@ -420,15 +455,16 @@ def _run_ranks(plan: Plan, data_path: Path, timeout_s: float) -> dict[str, Any]:
         try:
             return run_ranks(
                 _worker,
-                WORLD_SIZE,
+                plan.world_size,
                 Path(tmp),
                 asdict(plan),
                 str(data_path),
                 timeout=timeout_s,
                 collective_timeout=300.0,
+                backend="nccl" if plan.device == "cuda" else "gloo",
             )[0]
         except AssertionError as error:
-            partial = Path(tmp) / f"ranks{WORLD_SIZE}" / "rank0.partial.pt"
+            partial = Path(tmp) / f"ranks{plan.world_size}" / "rank0.partial.pt"
             if not partial.exists():
                 raise RuntimeError(
                     f"K-FAC benchmark ranks produced no result (limit {timeout_s:.0f} s):\n{error}"
@@ -436,151 +472,8 @@ def _run_ranks(plan: Plan, data_path: Path, timeout_s: float) -> dict[str, Any]:
             return torch.load(partial, weights_only=False)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The benchmark.
-
-
-#: Summary goal -> target. Every one is always recorded (null with a reason where not measured).
-GOALS = {
-    "kfac_time_to_target_vs_best_mnist": "<= 0.75",
-    "kfac_time_to_target_vs_best_resnet10_shapes": "<= 0.75",
-    "kfac_time_to_target_vs_sgd": "<= 0.75",
-    "kfac_step_time_vs_sgd": "<= 1.3",
-}
-
-
-def _summary(
-    walls: dict[str, tuple[float, bool]], rows: list[dict[str, Any]], second: str
-) -> dict[str, dict[str, Any]]:
-    """The goals from the median times to target (``walls``) and the amortised step times of ``rows``."""
-    kfac_wall, kfac_reached = walls["kfac"]
-    peers = {name: walls[name] for name in ("sgd", second) if name in walls}
-    reached_peers = {name: wall for name, (wall, ok) in peers.items() if ok and math.isfinite(wall)}
-    best_peer = min(reached_peers, key=reached_peers.__getitem__) if reached_peers else None
-    not_reached = "K-FAC did not reach the target in every seed within the cap"
-    vs_best = kfac_wall / reached_peers[best_peer] if kfac_reached and best_peer else None
-    sgd_wall, sgd_ok = walls.get("sgd", (math.nan, False))
-    vs_sgd = kfac_wall / sgd_wall if kfac_reached and sgd_ok else None
-    steps = {row["method"]: row.get("step_ms") for row in rows}
-    step_ratio = steps["kfac"] / steps["sgd"] if steps.get("kfac") and steps.get("sgd") else None
-    return {
-        "kfac_time_to_target_vs_best_mnist": goal(
-            vs_best,
-            GOALS["kfac_time_to_target_vs_best_mnist"],
-            reason="" if vs_best is not None else (not_reached if not kfac_reached else "no peer reached it"),
-            best_peer=best_peer,
-        ),
-        "kfac_time_to_target_vs_best_resnet10_shapes": goal(
-            None,
-            GOALS["kfac_time_to_target_vs_best_resnet10_shapes"],
-            reason="resnet10 on the generated shapes set at batch 1,024 is not part of this benchmark yet",
-        ),
-        "kfac_time_to_target_vs_sgd": goal(
-            vs_sgd, GOALS["kfac_time_to_target_vs_sgd"], reason="" if vs_sgd is not None else not_reached
-        ),
-        "kfac_step_time_vs_sgd": goal(
-            step_ratio,
-            GOALS["kfac_step_time_vs_sgd"],
-            reason="" if step_ratio is not None else "a method's step time was not measured",
-        ),
-    }
-
-
 def run(quick: bool, out_dir: Path) -> dict[str, Any]:
-    """Run the benchmark (``quick``: a subset, a lower target, one learning rate) and write the record."""
-    plan = QUICK_PLAN if quick else FULL_PLAN
-    second, second_note = second_method()
-    data_path = locate_mnist()
-    if data_path is None:
-        reason = "MNIST archive not found: pass --mnist PATH or set KAISOKU_MNIST"
-        summary = {name: goal(None, target, reason=reason) for name, target in GOALS.items()}
-        rows = [{"method": "all", "status": f"skipped: {reason}"}]
-        print_table("kfac", rows, summary)
-        return write_result("kfac", out_dir, summary, rows, quick=quick, notes="MNIST archive not found")
-    from kaisoku.bench.kfac_peers import asdl_row, plot_curves
+    """Run the benchmark's cases (see :mod:`kaisoku.bench.kfac_cases`) and write ``kfac.json``."""
+    from kaisoku.bench.kfac_cases import run_cases
 
-    started = time.perf_counter()
-    # Full: 40 minutes for the ranks, at most ASDL_TIME_LIMIT_S for the single-process peer.
-    record = _run_ranks(plan, data_path, timeout_s=45.0 if quick else 40 * 60.0)
-    runs: list[dict[str, Any]] = record["runs"]
-    for item in runs:
-        item["batch"] = plan.global_batch
-
-    rows: list[dict[str, Any]] = []
-    walls: dict[str, tuple[float, bool]] = {}
-    for method in ["sgd", second, "kfac"]:
-        mine = [r for r in runs if r["method"] == method]
-        if not mine:
-            rows.append({"method": method, "status": "not run: the time limit stopped the benchmark"})
-            walls[method] = (math.nan, False)
-            continue
-        all_reached = all(r["reached"] is not None for r in mine)
-        # Time to target, or the whole capped run when some repeat never got there (a lower bound).
-        times = [(r["reached"] or r["curve"][-1])["wall_s"] for r in mine]
-        epochs = [(r["reached"] or r["curve"][-1])["epochs"] for r in mine]
-        wall, iqr = median_iqr(times)
-        walls[method] = (wall, all_reached)
-        split = {
-            key: float(np.median([r["step_split_ms"].get(key, 0.0) for r in mine]))
-            for key in mine[0]["step_split_ms"]
-        }
-        rows.append(
-            {
-                "method": method,
-                "setting": f"{'kl_clip' if method == 'kfac' else 'lr'} {record['best'][method]:g}",
-                "grid_best_inside": record.get("inside", {}).get(method),
-                "diverged_repeats": sum(bool(r["diverged"]) for r in mine),
-                "step_ms": round(sum(split.values()), 2),
-                "reached_target": all_reached,
-                "epochs_to_target": float(np.median(epochs)) if all_reached else None,
-                "wall_s_to_target": wall if all_reached else None,
-                "wall_s_run": wall,
-                "wall_iqr_s": iqr,
-                "repeats": len(mine),
-                "final_test_acc": float(np.median([r["final_acc"] for r in mine])),
-                **{f"{key}_ms_per_step": round(value, 2) for key, value in split.items()},
-            }
-        )
-    targets = [r["target"] for r in runs if "target" in r]
-    rows.append(asdl_row(plan, data_path, plan.kfac_lr, quick, targets[0] if targets else plan.target))
-    summary = _summary(walls, rows, second)
-    plot_path = out_dir / "kfac.png"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plot_curves(runs, plot_path)
-    kfac_loads = next((r["loads"] for r in runs if r["loads"]), None)
-    notes = (
-        f"target per seed: SGD's best test accuracy within the cap less {plan.target_drop} (median "
-        f"{float(np.median(targets)) if targets else plan.target:.4f}); global batch {plan.global_batch} on "
-        f"{WORLD_SIZE} gloo CPU ranks "
-        f"(1 thread each, DDP); SGD and LARS tune lr over {list(plan.lr_grid)}, K-FAC (lr {plan.kfac_lr}, "
-        f"factors in {plan.kfac_options.get('factor_dtype', 'float32')}) "
-        f"tunes kl_clip over {list(plan.kfac_grid)}: the same number of points, each grid extended up to "
-        f"{plan.extend_limit} times while its best is at an edge, picked on x_val after {plan.grid_steps} "
-        f"steps; a run ending at <= {CHANCE_CEILING} accuracy counts as diverged; {second_note}; every "
-        f"method: {plan.warmup_steps} warmup steps then cosine decay over the {plan.max_epochs}-epoch cap; "
-        f"per seed ({plan.repeats} seeds: init and order), the target is SGD's best test accuracy within "
-        f"the cap minus {plan.target_drop}; the others run until they reach it; time to target is "
-        "interpolated between evaluations, evaluation excluded; forward_backward includes DDP's gradient "
-        "all-reduce; K-FAC communication is the factor all-reduce and decomposition broadcast."
-    )
-    if not record.get("complete", True):
-        notes = (
-            "INCOMPLETE: the time limit stopped the ranks; the rows hold the runs finished before. " + notes
-        )
-    if quick:
-        notes = (
-            f"QUICK: {plan.train_limit} training samples, global batch {plan.global_batch}, one setting per "
-            f"method, {plan.eval_limit} test samples; no claim about the goals. " + notes
-        )
-    extra = {
-        "plan": asdict(plan),
-        "grid": record["grid"],
-        "curves": [
-            {"method": r["method"], "repeat": r["repeat"], "lr": r["lr"], "curve": r["curve"]} for r in runs
-        ],
-        "kfac_rank_loads": kfac_loads,
-        "plot": plot_path.name,
-        "bench_seconds": round(time.perf_counter() - started, 1),
-    }
-    print_table("kfac", rows, summary)
-    return write_result("kfac", out_dir, summary, rows, quick=quick, notes=notes, extra=extra)
+    return run_cases(quick, out_dir)

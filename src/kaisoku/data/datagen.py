@@ -114,7 +114,8 @@ def encode_jpeg(image: np.ndarray, quality: int = 90) -> bytes:
     return simplejpeg.encode_jpeg(np.ascontiguousarray(image), quality=quality, colorspace="RGB")
 
 
-def _sample_rng(seed: int, split: str, index: int) -> np.random.Generator:
+def sample_rng(seed: int, split: str, index: int) -> np.random.Generator:
+    """The generator of one sample, keyed by (seed, split, index) alone."""
     split_key = {"train": 0, "val": 1}.get(split, 2)
     return np.random.Generator(np.random.PCG64([seed, split_key, index]))
 
@@ -122,7 +123,7 @@ def _sample_rng(seed: int, split: str, index: int) -> np.random.Generator:
 def _write_range(root: str, split: str, start: int, stop: int, size: int, seed: int) -> int:
     for index in range(start, stop):
         label = index % len(CLASSES)
-        image = draw_sample(label, size, _sample_rng(seed, split, index))
+        image = draw_sample(label, size, sample_rng(seed, split, index))
         path = Path(root) / split / CLASSES[label] / f"{index:07d}.jpg"
         path.write_bytes(encode_jpeg(image))
     return stop - start
