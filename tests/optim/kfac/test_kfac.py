@@ -278,3 +278,31 @@ def test_without_torch_distributed_it_is_one_process_owning_all_work() -> None:
     assert (kfac.comm.group, kfac.comm.rank, kfac.comm.world_size) == (None, 0, 1)
     assert not kfac.comm.distributed
     assert set(kfac.assignment.values()) == {0}
+
+
+def _host_syncs_of_a_precondition_step(depth: int) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(16, 16), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    kfac = KFAC(model, lr=optimizer, factor_update_steps=4, inv_update_steps=4)
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    for step in range(6):  # step 5 updates neither factors nor decompositions
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if step < 5:
+            kfac.step()
+            optimizer.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        kfac.step()
+    return sum(1 for event in prof.events() if event.name == "aten::_local_scalar_dense")
+
+
+def test_preconditioning_reads_no_scalar_per_layer() -> None:
+    # On a GPU every read of a device scalar drains the queue; per-layer checks made it two per layer. The
+    # one read left (a tolist of the stacked flags and KL term) is not an aten op on the CPU.
+    assert _host_syncs_of_a_precondition_step(2) == _host_syncs_of_a_precondition_step(12) == 0

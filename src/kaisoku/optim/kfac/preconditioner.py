@@ -374,7 +374,7 @@ class KFAC:
         decompose_seconds = 0.0
         for index, reduced in reducer:
             layer = layers[index]
-            self._blend(layer, reduced[:-1], reduced[-1].tolist())
+            self._blend(layer, reduced[:-1], reduced[-1])
             if decompose_damping is not None and isinstance(layer, KroneckerLayer):
                 t0 = time.perf_counter()
                 self._decompose_owned(layer, decompose_damping, timed=False)
@@ -384,13 +384,22 @@ class KFAC:
         total = time.perf_counter() - start
         self.clock.add("factor", max(0.0, total - reducer.wait_seconds - decompose_seconds))
 
-    def _blend(self, layer: KFACLayer, sums: list[torch.Tensor], counts: list[float]) -> None:
+    def _blend(self, layer: KFACLayer, sums: list[torch.Tensor], counts: torch.Tensor) -> None:
         decay = float(_at(self.factor_decay, self.steps))
-        for index, (total, count) in enumerate(zip(sums, counts)):
+        fresh = [total / count for total, count in zip(sums, counts.unbind(0))]
+        olds = list(layer.factors)
+        # The counts and every finiteness check reach the host in one transfer (one GPU synchronisation).
+        checks = [torch.isfinite(f).all() for f in fresh]
+        checks += [torch.isfinite(old).all() for old in olds if old is not None]
+        host = torch.cat([counts.float().flatten(), torch.stack(checks).float()]).tolist()
+        fresh_ok = host[len(fresh) : 2 * len(fresh)]
+        old_ok = iter(host[2 * len(fresh) :])
+        for index, count in enumerate(host[: len(fresh)]):
+            old = olds[index]
+            old_finite = bool(next(old_ok)) if old is not None else True
             if count <= 0:
                 continue
-            fresh = total / count
-            if not bool(torch.isfinite(fresh).all()):
+            if not fresh_ok[index]:
                 warnings.warn(
                     f"K-FAC: statistics of factor {layer.factor_names[index]} of layer '{layer.name}' "
                     f"are not finite at step {self.steps}; this update of the factor is skipped",
@@ -398,16 +407,15 @@ class KFAC:
                     stacklevel=3,
                 )
                 continue
-            old = layer.factors[index]
             dtype = layer.factor_dtype
             if old is None:
-                layer.factors[index] = fresh.to(dtype, copy=True)
-            elif not bool(torch.isfinite(old).all()):
-                layer.factors[index] = fresh.to(dtype, copy=True)
+                layer.factors[index] = fresh[index].to(dtype, copy=True)
+            elif not old_finite:
+                layer.factors[index] = fresh[index].to(dtype, copy=True)
                 self._raise_floor(layer, float(_at(self.damping, self.steps)), "a factor was not finite")
             else:
                 # Blended in float32 and rounded once, so bfloat16 storage does not compound round-off.
-                layer.factors[index] = (old.float() * decay + fresh * (1.0 - decay)).to(dtype)
+                layer.factors[index] = (old.float() * decay + fresh[index] * (1.0 - decay)).to(dtype)
 
     def _raise_floor(self, layer: KFACLayer, damping: float, why: str) -> float:
         effective = max(damping, layer.damping_floor)
@@ -486,41 +494,38 @@ class KFAC:
         # Packing the buffers counts as communication too.
         self.clock.add("communication", time.perf_counter() - start)
 
-    def _precondition_kron(self, layer: KroneckerLayer, grad: torch.Tensor, damping: float) -> torch.Tensor:
+    def _precondition_layer(self, layer: KFACLayer, grad: torch.Tensor, damping: float) -> torch.Tensor:
+        """The checked path: a gradient that is already not finite (an overflowing AMP step) passes untouched;
+        a result that is not raises the layer's damping and retries (inverses: recomputed next step)."""
+        if not bool(torch.isfinite(grad).all()):
+            return grad
+        why = (
+            "the Fisher was singular"
+            if isinstance(layer, BatchNormLayer)
+            else "the preconditioned gradient was not finite"
+        )
+        for _ in range(_MAX_DAMPING_RAISES):
+            result = self._precondition_unchecked(layer, grad, damping)
+            if bool(torch.isfinite(result).all()):
+                return result
+            self._raise_floor(layer, damping, why)
+            if isinstance(layer, KroneckerLayer) and self.method == "inverse":
+                self._refresh = True
+                return grad
+        return grad
+
+    def _precondition_unchecked(self, layer: KFACLayer, grad: torch.Tensor, damping: float) -> torch.Tensor:
+        """The preconditioned gradient without a finiteness check (no host synchronisation)."""
+        effective = max(damping, layer.damping_floor)
+        if isinstance(layer, BatchNormLayer):
+            return layer.precondition(grad, effective)
+        assert isinstance(layer, KroneckerLayer)
         held = self._decompositions[layer.name]
         if held[0] is None or held[1] is None:
             return grad
         if self.method == "inverse":
-            result = precondition_inverse(grad, held[0][0], held[1][0])
-            if bool(torch.isfinite(result).all()):
-                return result
-            self._raise_floor(layer, damping, "the preconditioned gradient was not finite")
-            self._refresh = True
-            return grad
-        q_a, d_a = held[0]
-        q_g, d_g = held[1]
-        effective = max(damping, layer.damping_floor)
-        for _ in range(_MAX_DAMPING_RAISES):
-            result = precondition_eigen(grad, q_a, d_a, q_g, d_g, effective)
-            if bool(torch.isfinite(result).all()):
-                return result
-            effective = self._raise_floor(layer, damping, "the preconditioned gradient was not finite")
-        return grad
-
-    def _precondition_layer(self, layer: KFACLayer, grad: torch.Tensor, damping: float) -> torch.Tensor:
-        if not bool(torch.isfinite(grad).all()):
-            # A gradient that is already not finite (an overflowing AMP step) is passed on untouched.
-            return grad
-        if isinstance(layer, BatchNormLayer):
-            effective = max(damping, layer.damping_floor)
-            for _ in range(_MAX_DAMPING_RAISES):
-                result = layer.precondition(grad, effective)
-                if bool(torch.isfinite(result).all()):
-                    return result
-                effective = self._raise_floor(layer, damping, "the Fisher was singular")
-            return grad
-        assert isinstance(layer, KroneckerLayer)
-        return self._precondition_kron(layer, grad, damping)
+            return precondition_inverse(grad, held[0][0], held[1][0])
+        return precondition_eigen(grad, held[0][0], held[0][1], held[1][0], held[1][1], effective)
 
     def _precondition_all(self, damping: float) -> None:
         start = time.perf_counter()
@@ -541,17 +546,36 @@ class KFAC:
                 else:
                     results[name] = torch.empty_like(grad)
                 per_rank[owner].append(results[name])
-            else:
+            elif owner_mode:
                 results[name] = self._precondition_layer(layer, grad, damping)
+            else:  # checked below for all layers at once
+                results[name] = self._precondition_unchecked(layer, grad, damping)
         waited = broadcast_from_owners(per_rank, self.comm) if owner_mode else 0.0
         self.clock.add("communication", waited)
+
+        # One host synchronisation per step (on a GPU each one drains the queue): the layers' finiteness
+        # flags and the KL products travel together. A layer that fails goes through the checked path.
+        def kl_sum() -> list[torch.Tensor]:
+            if self.kl_clip is None:
+                return []
+            return [torch.stack([(results[n] * grads[n]).sum() for n in results]).sum().float()]
+
+        names = list(results)
+        checks = (
+            []
+            if owner_mode
+            else [torch.isfinite(grads[n]).all() & torch.isfinite(results[n]).all() for n in names]
+        )
+        host = torch.stack([*(flag.float() for flag in checks), *kl_sum()]).tolist() if names else []
+        failed = [name for name, ok in zip(names, host[: len(checks)]) if not ok]
+        for name in failed:
+            results[name] = self._precondition_layer(self.layers[name], grads[name], damping)
+        kl_terms = host[len(checks) :] if not failed else [float(t) for t in kl_sum()]
 
         scale = 1.0
         if self.kl_clip is not None and results:
             lr = self._current_lr()
-            # One host synchronisation for all layers.
-            products = torch.stack([(results[name] * grads[name]).sum() for name in results])
-            vg = float(products.sum()) * lr * lr
+            vg = kl_terms[0] * lr * lr
             if vg > 0 and math.isfinite(vg):
                 scale = min(1.0, math.sqrt(self.kl_clip / vg))
         for name, result in results.items():
