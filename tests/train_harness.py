@@ -116,3 +116,18 @@ def tiny_config(data: Path | str, run_dir: Path | str, **overrides: object) -> C
     for key, value in overrides.items():
         apply_override(cfg, key.replace("__", "."), value)
     return cfg
+
+
+def cosmoflow_tiny_config(data: Path | str, run_dir: Path | str, **overrides: object) -> Config:
+    """:func:`tiny_config` for CosmoFlow on 8^3 volumes: width 4, batch 8, AdamW 1e-3."""
+    return tiny_config(
+        data,
+        run_dir,
+        model__name="cosmoflow",
+        model__width=4,
+        data__image_size=8,
+        data__global_batch=8,
+        optim__name="adamw",
+        optim__lr=1e-3,
+        **overrides,
+    )

@@ -24,7 +24,7 @@ from kaisoku.errors import ConfigError
 from kaisoku.optim.schedules import schedule_factor
 from kaisoku.presets import get_preset
 from tests.dist_harness import run_ranks
-from tests.train_harness import tiny_config, train_env
+from tests.train_harness import cosmoflow_tiny_config, train_env
 
 
 @pytest.fixture(scope="module")
@@ -107,15 +107,9 @@ def test_reference_preset_schedule_decays_at_epochs_32_and_64() -> None:
 
 
 def _train_pipeline(rank: int, world_size: int, tmp: Path, data: Path) -> dict[str, Any]:
-    cfg = tiny_config(
+    cfg = cosmoflow_tiny_config(
         data,
         tmp / "run",
-        model__name="cosmoflow",
-        model__width=4,
-        data__image_size=8,
-        data__global_batch=8,
-        optim__name="adamw",
-        optim__lr=1e-3,
         train__max_steps=2,
         train__log_every=1,
         parallel__pp=2,

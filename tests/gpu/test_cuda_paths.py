@@ -15,7 +15,7 @@ from kaisoku.data.datagen import generate
 from kaisoku.distributed.env import World
 from kaisoku.engine.build import build_trainer
 from tests.dist_harness import run_ranks
-from tests.train_harness import metric_lines, tiny_config
+from tests.train_harness import cosmoflow_tiny_config, metric_lines, tiny_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -171,17 +171,8 @@ def test_cosmoflow_trains_on_cuda(tmp_path: Path) -> None:
     xv, yv = universe_arrays(8, 8, seed=0, split="val")
     np.savez(tmp_path / "cosmo.npz", x_train=x, y_train=y, x_val=xv, y_val=yv)
     pack(tmp_path / "cosmo.npz", tmp_path / "packed", codec="delta", workers=1, progress=False)
-    cfg = tiny_config(
-        tmp_path / "packed",
-        tmp_path / "run",
-        model__name="cosmoflow",
-        model__width=4,
-        data__image_size=8,
-        data__global_batch=8,
-        optim__name="adamw",
-        optim__lr=1e-3,
-        train__max_steps=4,
-        train__device="cuda",
+    cfg = cosmoflow_tiny_config(
+        tmp_path / "packed", tmp_path / "run", train__max_steps=4, train__device="cuda"
     )
     validate(cfg, world_size=1)
     trainer = build_trainer(cfg, World())
