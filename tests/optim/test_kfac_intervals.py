@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import random
 from pathlib import Path
 
@@ -149,3 +150,24 @@ def test_two_ranks_agree(tmp_path: Path) -> None:
     # The agreed figures are the maximum over the ranks of each rank's medians.
     for index, key in enumerate(("step_s", "stats_s", "decomp_s", "precond_s")):
         assert results[0]["measured"][key] == max(r["local"][index] for r in results)
+
+
+def test_warmup_decomposes_twice_and_times_the_round_it_ran() -> None:
+    from kaisoku.optim.kfac.intervals import DECOMPOSITION_SAMPLES
+
+    model = _model()
+    kfac = KFAC(model, lr=0.05, overhead_target=0.25, inv_update_steps=1000)
+    rounds: list[int] = []
+    decompose = kfac._decompose_owned
+
+    def counted(*args: object, **kwargs: object) -> None:
+        rounds.append(kfac.steps)
+        decompose(*args, **kwargs)  # type: ignore[arg-type]
+
+    kfac._decompose_owned = counted  # type: ignore[method-assign]
+    _train(model, kfac, range(WARMUP_STEPS + 1))
+    # The untimed first step and the first timed one; a decomposition round costs the same each time.
+    assert sorted(set(rounds)) == list(range(1 + DECOMPOSITION_SAMPLES))
+    decomp = [sample[2] for sample in kfac._tuner.samples]
+    assert decomp[0] > 0 and all(math.isnan(v) for v in decomp[DECOMPOSITION_SAMPLES:])
+    assert kfac._tuner.measured["decomp_s"] == decomp[0]

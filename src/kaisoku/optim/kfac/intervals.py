@@ -15,6 +15,9 @@ from typing import Any
 WARMUP_STEPS = 4
 #: Default cap on both intervals.
 MAX_INTERVAL = 128
+#: Timed steps that also decompose: a round of decompositions costs the same every time, and on a GPU
+#: one round of a resnet's eigendecompositions outweighs many plain steps.
+DECOMPOSITION_SAMPLES = 1
 
 
 def _pow2_at_least(x: float, cap: int) -> int:
@@ -83,8 +86,10 @@ def choose_intervals(
 class IntervalTuner:
     """Times the first steps of a run and holds the chosen intervals.
 
-    ``samples`` are ``(step_s, stats_s, decomp_s, precond_s)`` per timed step; ``chosen`` is
-    ``(factor_every, inv_every)`` once decided; ``measured`` the agreed medians it was chosen from.
+    ``samples`` are ``(step_s, stats_s, decomp_s, precond_s)`` per timed step (``decomp_s`` NaN on a
+    step that did not decompose: only the untimed step and the first ``DECOMPOSITION_SAMPLES`` timed ones
+    do); ``chosen`` is ``(factor_every, inv_every)`` once decided; ``measured`` the agreed medians it was
+    chosen from.
     """
 
     target: float
@@ -101,26 +106,31 @@ class IntervalTuner:
         """True while the intervals are still being measured."""
         return self.chosen is None
 
+    def decomposes(self) -> bool:
+        """Whether the step about to run decomposes (the untimed step and the first timed ones)."""
+        return len(self.samples) < DECOMPOSITION_SAMPLES
+
     def ready(self) -> bool:
         """Whether enough steps have been timed to choose."""
         return len(self.samples) >= self.warmup
 
-    def record(self, marks: list[float], factor_at_enter: float, factor_at_exit: float) -> None:
+    def record(
+        self, marks: list[float], factor_at_enter: float, factor_at_exit: float, decomposed: bool = True
+    ) -> None:
         """Time one step from ``marks`` (entry, statistics done, decompositions done, exit of ``step()``)
         and the clock's cumulative ``factor`` seconds (the hooks' statistics) at entry and exit."""
         enter, stats_end, decomp_end, exit_ = marks
         hooks = factor_at_enter - self.factor_mark
         if self.prev_exit is not None:
             plain = max(0.0, enter - self.prev_exit - hooks)
-            self.samples.append(
-                (plain, hooks + stats_end - enter, decomp_end - stats_end, exit_ - decomp_end)
-            )
+            decomp = decomp_end - stats_end if decomposed else math.nan
+            self.samples.append((plain, hooks + stats_end - enter, decomp, exit_ - decomp_end))
         self.prev_exit = exit_
         self.factor_mark = factor_at_exit
 
     def medians(self) -> list[float]:
         """This rank's median of each timed phase."""
-        return [statistics.median(column) for column in zip(*self.samples)]
+        return [statistics.median([v for v in column if not math.isnan(v)]) for column in zip(*self.samples)]
 
     def decide(self, agreed: list[float]) -> tuple[int, int]:
         """Choose from the agreed ``(step_s, stats_s, decomp_s, precond_s)``; returns the intervals."""

@@ -313,7 +313,7 @@ class KFAC:
         factor_at_enter = self.clock.seconds.get("factor", 0.0)
         factor_step = self._collecting()
         inverse_step = step % max(1, int(_at(self.inv_update_steps, step))) == 0 or self._refresh
-        inverse_step = inverse_step or tuner is not None
+        inverse_step = inverse_step or (tuner is not None and tuner.decomposes())
         self._refresh = False
         if factor_step:  # while tuning, statistics and decompositions are timed apart
             self._update_factors(damping if inverse_step and tuner is None else None)
@@ -331,7 +331,8 @@ class KFAC:
             layer.reset_stats()
         self.steps += 1
         if tuner is not None:
-            tuner.record([*marks, self.clock.now()], factor_at_enter, self.clock.seconds.get("factor", 0.0))
+            factor_at_exit = self.clock.seconds.get("factor", 0.0)
+            tuner.record([*marks, self.clock.now()], factor_at_enter, factor_at_exit, inverse_step)
             if tuner.ready():
                 self._choose_intervals(tuner)
 
