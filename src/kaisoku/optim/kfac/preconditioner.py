@@ -391,16 +391,16 @@ class KFAC:
         olds = list(layer.factors)
         # The counts and every finiteness check reach the host in one transfer (one GPU synchronisation).
         checks = [torch.isfinite(f).all() for f in fresh]
-        checks += [torch.isfinite(old).all() for old in olds if old is not None]
+        checks += [torch.isfinite(old).all() if old is not None else checks[0].new_ones(()) for old in olds]
+        n = len(fresh)
         host = torch.cat([counts.float().flatten(), torch.stack(checks).float()]).tolist()
-        fresh_ok = host[len(fresh) : 2 * len(fresh)]
-        old_ok = iter(host[2 * len(fresh) :])
-        for index, count in enumerate(host[: len(fresh)]):
+        for index, (count, fresh_finite, old_finite) in enumerate(
+            zip(host[:n], host[n : 2 * n], host[2 * n :])
+        ):
             old = olds[index]
-            old_finite = bool(next(old_ok)) if old is not None else True
             if count <= 0:
                 continue
-            if not fresh_ok[index]:
+            if not fresh_finite:
                 warnings.warn(
                     f"K-FAC: statistics of factor {layer.factor_names[index]} of layer '{layer.name}' "
                     f"are not finite at step {self.steps}; this update of the factor is skipped",
