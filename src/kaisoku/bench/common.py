@@ -332,3 +332,9 @@ def fast_bf16(device: torch.device) -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def bench_device() -> torch.device:
+    """Where a single-process benchmark runs its cases: the GPU where one is visible (the record's ``gpu``
+    names it), else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

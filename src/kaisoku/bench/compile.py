@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kaisoku.bench.common import goal, interleaved, median_iqr, print_table, write_result
+from kaisoku.bench.common import bench_device, goal, interleaved, median_iqr, print_table, write_result
 from kaisoku.config import OptimConfig
 from kaisoku.engine.compile import Trial, compile_for_training, prepare_way, synthetic_batch
 from kaisoku.models.zoo import build_model
@@ -36,11 +36,6 @@ CASES: dict[str, tuple[str, str, tuple[int, int, int, int], int]] = {
     "vit-tiny": ("vit-tiny", "small", (32, 1, 32, 32), 10),
 }
 WAYS = ("off", "model", "optimizer", "all")
-
-
-def bench_device() -> torch.device:
-    """The GPU where one is visible (its record then names it), else the CPU."""
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def measure_case(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,20 +89,24 @@ FULL_PLAN = Plan(
     },
 )
 
-QUICK_PLAN = Plan(
-    lr_grid=(0.2,),
-    grid_steps=0,
+
+def quick_plan(plan: Plan, **changes: Any) -> Plan:
+    """``plan`` for ``--quick``: one setting per method (no grid, no extension), one seed; ``changes``
+    shrink the run further."""
+    return replace(
+        plan, lr_grid=(0.2,), grid_steps=0, repeats=1, kfac_grid=(1e-3,), extend_limit=0, **changes
+    )
+
+
+QUICK_PLAN = quick_plan(
+    FULL_PLAN,
     max_epochs=1.5,
     eval_every=3,
-    repeats=1,
     target=0.70,
     global_batch=512,
     train_limit=4096,
     eval_limit=1000,
     warmup_steps=2,
-    kfac_options=dict(FULL_PLAN.kfac_options),
-    kfac_grid=(1e-3,),
-    extend_limit=0,
 )
 
 
@@ -119,13 +123,20 @@ def second_method() -> tuple[str, str]:
 # The model and the data.
 
 
+#: Pixels per side of the resnet10 case's shapes images.
+SHAPES_SIZE = 16
+
+
 def build_model(case: str = "mnist") -> nn.Module:
     """The benchmarked model: ``SmallCNN`` of width 16 (mnist; an equivalent local CNN where the zoo lacks
-    it), or resnet10 with the compact stem for 16 px RGB shapes (resnet10-shapes)."""
+    it), or resnet10 with the compact stem for the shapes set's RGB images and classes (resnet10-shapes)."""
     if case == "resnet10-shapes":
-        from kaisoku.bench.kfac_cases import shapes_resnet10
+        from kaisoku.data.datagen import CLASSES
+        from kaisoku.models.zoo import build_model as build_zoo_model
 
-        return shapes_resnet10()
+        return build_zoo_model(
+            "resnet10", num_classes=len(CLASSES), stem="compact", in_channels=3, size=SHAPES_SIZE
+        )
     try:
         from kaisoku.models.zoo import SmallCNN
     except ImportError:  # pragma: no cover - the model zoo ships with kaisoku
@@ -149,16 +160,18 @@ def _load(path: Path, plan: Plan) -> dict[str, tuple[torch.Tensor, torch.Tensor]
     ``(N, C, H, W)`` uint8 images with the training split's per-channel mean and std."""
     arrays = np.load(path, allow_pickle=False)
     splits: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    limits = {"train": plan.train_limit, "val": plan.eval_limit, "test": plan.eval_limit}
+    for split, limit in limits.items():
+        x = torch.from_numpy(arrays[f"x_{split}"][:limit].astype(np.float32)) / 255.0
+        splits[split] = (
+            x if x.ndim == 4 else x.unsqueeze(1),
+            torch.from_numpy(arrays[f"y_{split}"][:limit].astype(np.int64)),
+        )
     mean, std = torch.tensor(0.1307), torch.tensor(0.3081)
     if arrays["x_train"].ndim == 4:
-        train = torch.from_numpy(arrays["x_train"]).float().div_(255.0)
-        mean, std = train.mean(dim=(0, 2, 3)).view(1, -1, 1, 1), train.std(dim=(0, 2, 3)).view(1, -1, 1, 1)
-    for split, limit in (("train", plan.train_limit), ("val", plan.eval_limit), ("test", plan.eval_limit)):
-        x = torch.from_numpy(arrays[f"x_{split}"][:limit].astype(np.float32)) / 255.0
-        y = arrays[f"y_{split}"][:limit]
-        images = ((x if x.ndim == 4 else x.unsqueeze(1)) - mean) / std
-        splits[split] = (images.contiguous(), torch.from_numpy(y.astype(np.int64)))
-    return splits
+        train = splits["train"][0]
+        mean, std = train.mean(dim=(0, 2, 3), keepdim=True), train.std(dim=(0, 2, 3), keepdim=True)
+    return {split: (((x - mean) / std).contiguous(), y) for split, (x, y) in splits.items()}
 
 
 def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:

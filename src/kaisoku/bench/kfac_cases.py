@@ -19,21 +19,29 @@ import math
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
+from kaisoku.bench import CASES
 from kaisoku.bench.common import goal, locate_mnist, median_iqr, print_table, selected_case, write_result
-from kaisoku.bench.kfac import CHANCE_CEILING, FULL_PLAN, QUICK_PLAN, Plan, _run_ranks, second_method
+from kaisoku.bench.kfac import (
+    CHANCE_CEILING,
+    FULL_PLAN,
+    QUICK_PLAN,
+    SHAPES_SIZE,
+    Plan,
+    _run_ranks,
+    quick_plan,
+    second_method,
+)
 from kaisoku.errors import ConfigError
 
-#: Images per split of the resnet10 case, and their size in pixels.
+#: Images per split of the resnet10 case (their size: :data:`kaisoku.bench.kfac.SHAPES_SIZE`).
 SHAPES_COUNTS = {"train": 16384, "val": 2048, "test": 2048}
-SHAPES_SIZE = 16
 
 RESNET_PLAN = Plan(
     case="resnet10-shapes",
@@ -64,13 +72,10 @@ RESNET_PLAN = Plan(
 )
 
 #: The resnet10 case in --quick: a few steps on 8 px images on the CPU (it checks the path, not the goal).
-RESNET_QUICK_PLAN = replace(
+RESNET_QUICK_PLAN = quick_plan(
     RESNET_PLAN,
-    lr_grid=(0.2,),
-    grid_steps=0,
     max_epochs=2,
     eval_every=2,
-    repeats=1,
     target=0.3,
     global_batch=64,
     warmup_steps=1,
@@ -81,13 +86,9 @@ RESNET_QUICK_PLAN = replace(
         "inv_update_steps": 2,
         "method": "inverse",
     },
-    kfac_grid=(1e-3,),
-    extend_limit=0,
     device="cpu",
 )
 QUICK_SHAPES = ({"train": 256, "val": 128, "test": 128}, 8)
-
-GOALS_CASES = ("mnist", "resnet10-shapes")
 
 #: Summary goal -> target. Every one is always recorded (null with a reason where not measured).
 GOALS = {
@@ -96,14 +97,6 @@ GOALS = {
     "kfac_time_to_target_vs_sgd": "<= 0.75",
     "kfac_step_time_vs_sgd": "<= 1.3",
 }
-
-
-def shapes_resnet10() -> nn.Module:
-    """resnet10 with the compact stem for the shapes set's RGB images and classes."""
-    from kaisoku.data.datagen import CLASSES
-    from kaisoku.models.zoo import build_model
-
-    return build_model("resnet10", num_classes=len(CLASSES), stem="compact", in_channels=3, size=SHAPES_SIZE)
 
 
 def _draw(split: str, start: int, stop: int, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -222,9 +215,6 @@ def summary_of(
 ) -> dict[str, dict[str, Any]]:
     """The goals from each case's median times to target and step times; ``skipped``: case -> why not run."""
 
-    def step_ratio(case_rows: list[dict[str, Any]]) -> float | None:
-        return step_time_ratio(case_rows)[0]
-
     summary: dict[str, dict[str, Any]] = {}
     for case, name in (
         ("mnist", "kfac_time_to_target_vs_best_mnist"),
@@ -239,12 +229,12 @@ def summary_of(
             reason = f"the best setting of {', '.join(edge)} is on an edge of its grid: not a fair comparison"
         details: dict[str, Any] = {"best_peer": peer}
         if case == "resnet10-shapes":
-            details["step_time_vs_sgd"] = step_ratio(rows[case])
+            details["step_time_vs_sgd"] = step_time_ratio(rows[case])[0]
         summary[name] = goal(value, GOALS[name], reason=reason, **details)
-    for name in ("kfac_time_to_target_vs_sgd", "kfac_step_time_vs_sgd"):
-        if "mnist" in skipped:
+    if "mnist" in skipped:
+        for name in ("kfac_time_to_target_vs_sgd", "kfac_step_time_vs_sgd"):
             summary[name] = goal(None, GOALS[name], reason=skipped["mnist"])
-    if "mnist" not in skipped:
+    else:
         kfac_wall, kfac_reached = walls["mnist"]["kfac"]
         sgd_wall, sgd_ok = walls["mnist"].get("sgd", (math.nan, False))
         vs_sgd = kfac_wall / sgd_wall if kfac_reached and sgd_ok else None
@@ -276,7 +266,7 @@ def _cases(quick: bool) -> tuple[list[str], dict[str, str]]:
     cases = [chosen] if chosen else ["mnist", "resnet10-shapes"]
     if chosen:
         skipped.update(
-            {c: f"not run: kaisoku bench kfac --case {chosen}" for c in GOALS_CASES if c != chosen}
+            {c: f"not run: kaisoku bench kfac --case {chosen}" for c in CASES["kfac"] if c != chosen}
         )
     if "resnet10-shapes" in cases and not gpu and not quick:
         cases.remove("resnet10-shapes")

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kaisoku.bench.common import goal, interleaved, median_iqr, record_and_show
+from kaisoku.bench.common import bench_device, goal, interleaved, median_iqr, record_and_show
 from kaisoku.config import OptimConfig, SchedConfig
 from kaisoku.config_sections import MemoryConfig
 from kaisoku.engine.step import DataParallelStep, Precision
@@ -126,7 +126,7 @@ class Setup:
     """One (model, memory settings) as ``kaisoku train`` builds it, with batches keyed by step index."""
 
     def __init__(self, model: str, memory: dict[str, Any], *, batch: int, image: int, seed: int = 0) -> None:
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = bench_device()
         torch.manual_seed(seed)
         net = _model(model, image).to(self.device)
         settings = MemoryConfig(**memory)
