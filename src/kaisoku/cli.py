@@ -116,7 +116,7 @@ def cmd_train(argv: Sequence[str]) -> int:
     if args.print_config:
         sys.stdout.write(to_toml(cfg))
         return 0
-    from kaisoku.engine.build import run_training, train_on_local_ranks
+    from kaisoku.engine.run import run_training, train_on_local_ranks
 
     nproc = planned_world_size(cfg.dist.nproc)
     if inside_torchrun() or inside_slurm_step() or nproc == 1:

@@ -1,7 +1,7 @@
 """A rank entry for tests: ``kaisoku train`` whose checkpoint writer pauses before its rename.
 
 Run as a script (``python tests/engine/paused_save_entry.py [kaisoku train arguments]``): it launches
-the ranks through :func:`kaisoku.engine.build.train_on_local_ranks` with itself as their entry; on a
+the ranks through :func:`kaisoku.engine.run.train_on_local_ranks` with itself as their entry; on a
 rank (inside torchrun) it trains with a ``before_rename`` callback that writes ``PAUSED`` beside the temp
 file and sleeps, so a test can kill the writer with a complete temp file that is not yet renamed.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kaisoku.cli import resolve_config
 from kaisoku.distributed.env import inside_torchrun
-from kaisoku.engine.build import run_training, train_on_local_ranks
+from kaisoku.engine.run import run_training, train_on_local_ranks
 from kaisoku.engine.trainer import Trainer
 
 PAUSE_SECONDS = 120.0

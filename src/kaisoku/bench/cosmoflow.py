@@ -133,7 +133,7 @@ def _decode_costs(source: Path, samples: int = 32) -> dict[str, float]:
 
 def _train(cfg: Config, nproc: int, run_dir: Path) -> tuple[dict[str, Any], float]:
     """Train ``cfg`` with ``kaisoku train``'s launcher; the last validation record and the wall seconds."""
-    from kaisoku.engine.build import train_on_local_ranks
+    from kaisoku.engine.run import train_on_local_ranks
 
     cfg.run_dir = str(run_dir)
     cfg.dist.nproc = nproc
