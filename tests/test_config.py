@@ -10,6 +10,7 @@ import pytest
 from kaisoku import config as c
 from kaisoku.errors import ConfigError
 from kaisoku.presets import PRESETS, get_preset
+from kaisoku.run_plan import check_config
 
 
 def test_every_field_has_help_text() -> None:
@@ -74,15 +75,15 @@ def test_validate_names_the_field(tmp_path: Path) -> None:
     cfg = c.Config()
     cfg.optim.lr = 0.0
     with pytest.raises(ConfigError, match=r"optim.lr must be > 0"):
-        c.validate(cfg)
+        check_config(cfg)
     cfg = c.Config()
     cfg.data.path = str(tmp_path / "nowhere")
     with pytest.raises(ConfigError, match="data.path .* does not exist"):
-        c.validate(cfg)
+        check_config(cfg)
 
 
 def test_presets_are_valid_and_unknown_preset_lists_choices() -> None:
     for name in PRESETS:
-        c.validate(get_preset(name))
+        check_config(get_preset(name))
     with pytest.raises(ConfigError, match="choose one of: cpu-demo"):
         get_preset("nope")

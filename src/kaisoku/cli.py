@@ -58,6 +58,11 @@ def _train_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config as TOML and exit"
     )
+    parser.add_argument(
+        "--print-plan",
+        action="store_true",
+        help="print the run plan (layouts, batch sizes, sample shape, task, steps per epoch, ...) and exit",
+    )
     parser.add_argument("--nproc", help="ranks to launch on this node (dist.nproc)")
     parser.add_argument("--max-steps", help="stop after this many optimizer steps (train.max_steps)")
     parser.add_argument("--run-dir", help="run folder (run_dir)")
@@ -81,9 +86,8 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def resolve_config(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
-    """Parse ``kaisoku train`` arguments into a Config, validated against the world the run will have."""
-    from kaisoku.distributed.env import planned_world_size
-    from kaisoku.presets import get_preset
+    """Parse ``kaisoku train`` arguments into a Config whose sections each checked their own fields."""
+    from kaisoku.presets import get_preset  # start-up: presets build configs only for train
 
     parser = _train_parser()
     args, unknown = parser.parse_known_args(list(argv))
@@ -104,21 +108,29 @@ def resolve_config(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
     for dest, value in vars(args).items():
         if dest.startswith("cfg:") and value is not None:
             apply_override(cfg, dest[4:], value)
-    validate(cfg, world_size=planned_world_size(cfg.dist.nproc))
+    validate(cfg)
     return cfg, args
 
 
 def cmd_train(argv: Sequence[str]) -> int:
     """``kaisoku train``."""
-    from kaisoku.distributed.env import inside_slurm_step, inside_torchrun, planned_world_size
+    from kaisoku.distributed.env import inside_slurm_step, inside_torchrun
 
     cfg, args = resolve_config(argv)
     if args.print_config:
         sys.stdout.write(to_toml(cfg))
         return 0
+    # start-up: the engine and the planner import torch's model and optimizer stacks, which --help skips
+    from kaisoku.engine.build import user_parts
     from kaisoku.engine.run import run_training, train_on_local_ranks
+    from kaisoku.run_plan import plan_run, planned_world
 
-    nproc = planned_world_size(cfg.dist.nproc)
+    # Everything that can be known before launch is refused here, before any rank or run folder exists.
+    plan = plan_run(cfg, planned_world(cfg.dist.nproc), user_parts(cfg))
+    if args.print_plan:
+        print(plan.describe())
+        return 0
+    nproc = plan.world.world_size
     if inside_torchrun() or inside_slurm_step() or nproc == 1:
         run_training(cfg)
         return 0

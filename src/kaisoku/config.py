@@ -17,7 +17,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import tomli_w
 
@@ -38,10 +38,6 @@ from kaisoku.config_sections import (
 )
 from kaisoku.errors import ConfigError
 from kaisoku.units import parse_bytes
-
-if TYPE_CHECKING:
-    from kaisoku.data.shuffle import ShuffleSpec
-    from kaisoku.data.staging import CacheSettings
 
 
 @dataclass(kw_only=True)
@@ -273,11 +269,10 @@ def from_dict(mapping: dict[str, Any]) -> Config:
     return cfg
 
 
-def validate(cfg: Config, world_size: int | None = None) -> None:
-    """Check values that types alone do not catch; raise ConfigError naming the field.
+def validate(cfg: Config) -> None:
+    """Check each field's own range (what types alone do not catch); raise ConfigError naming the field.
 
-    ``world_size`` is the number of ranks the run will have, where it is known before launching; the
-    parallel layout is checked against it then (else on each rank, with the world it joined).
+    Checks that span sections, or need the world, the data or the model, are :func:`kaisoku.run_plan.resolve`'s.
     """
     checks: list[tuple[bool, str]] = [
         (cfg.data.global_batch > 0, "data.global_batch must be > 0"),
@@ -322,158 +317,15 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    from kaisoku.engine.compile import compile_conflict
-
-    conflict = compile_conflict(cfg.train.compile, hybrid=cfg.parallel.hybrid, kfac=cfg.optim.kfac.enabled)
-    if conflict:
-        raise ConfigError(conflict)
-    from kaisoku.engine.data_build import data_conflict
-
-    conflict = data_conflict(cfg)  # the dataset against the model and the loss, from its index alone
-    if conflict:
-        raise ConfigError(conflict)
-    from kaisoku.models.vit import check_vit_size
-
-    check_vit_size(cfg.model.name, cfg.data.image_size)  # a ViT's patch must divide the image side
-    if cfg.memory.update_in_backward:
-        from kaisoku.memory.in_backward import in_backward_conflict
-
-        conflict = in_backward_conflict(
-            optimizer=cfg.optim.name,
-            grad_accum=cfg.train.grad_accum,
-            kfac=cfg.optim.kfac.enabled,
-            hybrid=cfg.parallel.hybrid,
-            precision=cfg.precision.mode,
-            on_nonfinite=cfg.train.on_nonfinite,
-            compile_mode=cfg.train.compile,
-            compile_optimizer=cfg.optim.compile,
-        )
-        if conflict:
-            raise ConfigError(conflict)
-    if (cfg.memory.recompute != "none" or cfg.memory.compress != "none") and cfg.parallel.hybrid:
+    losses = ("auto", "cross-entropy", "mse")
+    if cfg.train.loss not in losses and ":" not in cfg.train.loss:
         raise ConfigError(
-            "memory.recompute and memory.compress are for data parallelism; set them to none with parallel.pp > 1 or a switch"
+            f"train.loss: {cfg.train.loss!r} is not valid; choose one of: {', '.join(losses)}, or your own "
+            "as package.module:function"
         )
-    if cfg.memory.recompute != "none" and cfg.memory.blocks.strip():
-        from kaisoku.memory.checkpointing import parse_block_list
-
-        parse_block_list(cfg.memory.blocks, _block_count(cfg.model))  # a ConfigError naming the valid range
-    from kaisoku.memory.planner import check_memory_config
-
-    check_memory_config(
-        cfg.memory, hybrid=cfg.parallel.hybrid, block_count=functools.partial(_block_count, cfg.model)
-    )
-    _validate_precision(cfg)
-    shuffle, cache = data_settings(cfg.data)
-    _validate_parallel(cfg, world_size, shuffle.depends_on_nodes, cache.enabled)
-    if cfg.data.path and not Path(cfg.data.path).expanduser().exists():
-        raise ConfigError(f"data.path {cfg.data.path} does not exist; point it at a dataset folder")
-    if cfg.data.path and not Path(cfg.data.path).expanduser().is_dir():
-        raise ConfigError(f"data.path {cfg.data.path} is not a folder of class sub-folders")
-
-
-def data_settings(data: DataConfig, num_nodes: int = 1) -> tuple[ShuffleSpec, CacheSettings]:
-    """The shuffle and the node cache's settings of ``data.*``; each checks its own values (ConfigError)."""
-    from kaisoku.data.shuffle import ShuffleSpec
-    from kaisoku.data.staging import CacheSettings
-
-    shuffle = ShuffleSpec(
-        name=data.shuffle,
-        block_shards=data.block_shards,
-        buffer_size=data.buffer_size,
-        exchange=data.exchange,
-        num_nodes=num_nodes,
-    )
-    cache = CacheSettings(
-        local_dir=data.local_cache,
-        local_capacity=int(data.local_capacity),
-        ram_dir=data.ram_dir,
-        ram_capacity=int(data.ram_capacity),
-    )
-    return shuffle, cache
-
-
-def _validate_parallel(cfg: Config, world_size: int | None, node_shuffle: bool, node_cache: bool) -> None:
-    """Check ``parallel.*`` (through :func:`kaisoku.distributed.layout.check_parallel`) and what it excludes."""
-    from kaisoku.distributed.layout import check_parallel
-
-    par = cfg.parallel
-    check_parallel(
-        world_size=world_size,
-        global_batch=cfg.data.global_batch,
-        dp=par.dp,
-        pp=par.pp,
-        microbatches=par.microbatches,
-        schedule=par.schedule,
-        virtual_stages=par.virtual_stages,
-        switch=par.switch,
-        unit=par.switch_unit,
-        block_count=functools.partial(_block_count, cfg.model),
-    )
-    if not par.hybrid:
-        return
-    what = "parallel.switch" if par.switch.strip() else f"parallel.pp {par.pp}"
-    unsupported = [
-        (cfg.train.grad_accum != 1, f"train.grad_accum {cfg.train.grad_accum}: use parallel.microbatches"),
-        (cfg.optim.kfac.enabled, "optim.kfac.enabled (K-FAC runs on data parallelism only)"),
-        (cfg.precision.mode == "fp16", "precision.mode fp16 (use bf16 or fp32)"),
-        (cfg.precision.mode.endswith("-stats"), f"precision.mode {cfg.precision.mode} (use bf16 or fp32)"),
-        (node_shuffle, f"data.shuffle {cfg.data.shuffle} (use global or block)"),
-        (node_cache, "data.local_cache / data.ram_capacity (the node cache plans for data-parallel ranks)"),
-    ]
-    for refused, setting in unsupported:
-        if refused:
-            raise ConfigError(f"{what} does not work with {setting}")
-
-
-def _validate_precision(cfg: Config) -> None:
-    """``precision.*`` against the device the run will have and the model's layer names (ConfigError)."""
-    from kaisoku.precision import mode_conflict
-
-    prec = cfg.precision
-    if prec.history < 1:
-        raise ConfigError(f"precision.history must be >= 1 (got {prec.history})")
-    device = cfg.train.device
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    fp8_reason = ""
-    if prec.mode == "fp8-stats" and prec.fp8 == "real":
-        import torch
-
-        from kaisoku.precision.fp8 import fp8_support
-
-        fp8_reason = (
-            fp8_support(torch.device(device)) if device == "cpu" or torch.cuda.is_available() else "no CUDA"
+    if cfg.data.dataset and ":" not in cfg.data.dataset:
+        raise ConfigError(
+            f"data.dataset: '{cfg.data.dataset}' is not an import path of the form package.module:name"
         )
-    conflict = mode_conflict(prec.mode, device, prec.fp8, fp8_reason)
-    if conflict:
-        raise ConfigError(conflict)
-    if not prec.mode.endswith("-stats"):
-        return
-    stats_conflicts = [
-        (
-            cfg.memory.recompute != "none",
-            "memory.recompute (a recomputed forward would round with a moved exponent)",
-        ),
-        (cfg.train.compile != "off", "train.compile (the scalers keep Python state per call)"),
-    ]
-    for refused, setting in stats_conflicts:
-        if refused:
-            raise ConfigError(f"precision.mode {prec.mode} does not work with {setting}; turn it off")
-    if any(k.strip() not in ("first", "last", "") for k in prec.keep):
-        import torch
-
-        from kaisoku.models.zoo import build_model
-        from kaisoku.precision import resolve_keep
-
-        with torch.device("meta"):
-            model = build_model(cfg.model.name, num_classes=cfg.model.num_classes or 10, stem=cfg.model.stem)
-        resolve_keep(model, prec.keep)  # a ConfigError listing the layers
-
-
-def _block_count(model: ModelConfig) -> int:
-    from kaisoku.models.zoo import block_count
-
-    return block_count(model.name, stem=model.stem)
+    if cfg.data.dataset and cfg.data.path:
+        raise ConfigError("data.dataset and data.path both name the training data; set one of them")

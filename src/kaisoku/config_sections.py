@@ -22,7 +22,7 @@ class ModelConfig:
     """Which network to train."""
 
     name: str = "resnet10"
-    """Model builder: resnet10, resnet18, resnet34, resnet50 (torchvision ResNets), small-cnn, cosmoflow (3D CNN regressing 4 parameters from [4, D, D, D] volumes, D = data.image_size), vit-tiny (6 layers, width 192, patch 4 for 32-64 px), vit-b16 (torchvision ViT-B/16); vision transformers take their image size from data.image_size."""
+    """Model: your own as package.module:factory (a function or nn.Module class, given the run's ModelSpec if it takes an argument), or one of kaisoku's: resnet10, resnet18, resnet34, resnet50 (torchvision ResNets), small-cnn, cosmoflow (3D CNN regressing 4 parameters from [4, D, D, D] volumes, D = data.image_size), vit-tiny (6 layers, width 192, patch 4 for 32-64 px), vit-b16 (torchvision ViT-B/16); vision transformers take their image size from data.image_size."""
     num_classes: int = 0
     """Number of output classes; 0 takes it from the dataset."""
     stem: Literal["imagenet", "small", "compact"] = "compact"
@@ -40,7 +40,9 @@ class DataConfig:
     """Where samples come from and how they are batched and augmented."""
 
     path: str = ""
-    """Dataset: a packed dataset (kaisoku pack), or a folder of class sub-folders of images. Empty: kaisoku's generated demo set."""
+    """Dataset: a packed dataset (kaisoku pack), or a folder of class sub-folders of images. Empty: kaisoku's generated demo set (or data.dataset)."""
+    dataset: str = ""
+    """Your own map-style Dataset of (input, target) pairs, as package.module:name: a Dataset, a Dataset class, or a function returning one or a (train, val) pair."""
     cache_dir: str = "~/.cache/kaisoku"
     """Where the generated demo set is written on first use."""
     image_size: int = 24
@@ -180,8 +182,8 @@ class TrainConfig:
     """Micro-batches accumulated per optimizer step (gradients synchronised on the last one only)."""
     label_smoothing: float = 0.0
     """Cross-entropy label smoothing."""
-    loss: Literal["auto", "cross-entropy", "mse"] = "auto"
-    """Loss: auto takes it from the dataset's task (cross-entropy for classification, mse, mean squared error, for a regression set such as kaisoku datagen --kind cosmo); a loss that does not fit the task is refused."""
+    loss: str = "auto"
+    """Loss: your own as package.module:function (called as loss(outputs, targets)), or auto, cross-entropy, mse: auto takes it from the dataset's task (cross-entropy for classification, mse, mean squared error, for a regression set such as kaisoku datagen --kind cosmo); a loss that does not fit the task is refused."""
     compile: CompileMode = "off"
     """torch.compile: off, model, optimizer (its step), all, or auto (times 20 steps each way, keeps the faster)."""
     val_every: int = 0

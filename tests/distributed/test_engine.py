@@ -120,8 +120,8 @@ def _train_packed(rank: int, world_size: int, tmp: Path, data: Path, run_dir: Pa
     trainer = build_trainer(cfg, world)
     summary = trainer.fit()
     trainer.metrics.close()
-    stats = trainer.train_loader.stats()
-    trainer.train_loader.close()
+    stats = trainer.train_data.stats()
+    trainer.train_data.close()
     return {"summary": summary, "stats": stats}
 
 

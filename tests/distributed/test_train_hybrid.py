@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from kaisoku.config import Config, validate
+from kaisoku.config import Config
 from kaisoku.data.datagen import generate
 from kaisoku.distributed.env import World
 from kaisoku.distributed.named_state import named_from_torch_optimizer_state, named_optimizer_state
@@ -22,6 +22,7 @@ from kaisoku.errors import ConfigError
 from kaisoku.models.blocks import state_names
 from kaisoku.optim.factory import build_optimizer, build_optimizer_from_named, build_scheduler, warmup_steps
 from kaisoku.optim.schedules import schedule_factor
+from kaisoku.run_plan import check_config
 from tests.dist_harness import run_ranks
 from tests.train_harness import tiny_config
 
@@ -65,7 +66,7 @@ def _train(
         "loaded_optimizer": optimizer,
         "loaded_lr": lr,
         "model": {k: v.clone() for k, v in trainer.unwrapped.state_dict().items()},
-        "data_shard": (trainer.train_sampler.rank, trainer.train_sampler.world_size),
+        "data_shard": (trainer.train_data.sampler.rank, trainer.train_data.sampler.world_size),
     }
 
 
@@ -251,18 +252,18 @@ def test_checkpoints_move_between_pipeline_and_data_parallel_runs(
 def test_bad_parallel_settings_fail_validation(overrides: dict[str, object], message: str) -> None:
     cfg = _config("", "runs/x", **{key.replace(".", "__"): value for key, value in overrides.items()})
     with pytest.raises(ConfigError, match=message):
-        validate(cfg, world_size=cfg.dist.nproc or None)  # the world kaisoku would launch
+        check_config(cfg, cfg.dist.nproc or None)  # the world kaisoku would launch
 
 
 def test_defaults_and_plain_dp_stay_valid() -> None:
     cfg = _config("", "runs/x")
     assert not cfg.parallel.hybrid
-    validate(cfg)
+    check_config(cfg)
     cfg.parallel.dp = 2
-    validate(cfg)
+    check_config(cfg)
     cfg.parallel.switch = "pp2:0-1,dp2:1-"
     assert cfg.parallel.hybrid
-    validate(cfg)
+    check_config(cfg)
 
 
 @pytest.mark.timeout(120)

@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kaisoku.config import Config, validate
+from kaisoku.config import Config
 from kaisoku.data.datagen import generate
 from kaisoku.distributed.env import World
 from kaisoku.engine.build import build_trainer
 from kaisoku.engine.step import DataParallelStep
 from kaisoku.errors import ConfigError
+from kaisoku.run_plan import check_config
 from tests.train_harness import tiny_config
 
 
@@ -23,7 +24,7 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _config(data: Path, run_dir: Path, **overrides: object) -> Config:
     cfg = tiny_config(data, run_dir, **overrides)
-    validate(cfg, world_size=1)
+    check_config(cfg, 1)
     return cfg
 
 
@@ -34,7 +35,7 @@ def test_one_rank_builds_a_data_parallel_engine_without_ddp(tmp_path: Path, tiny
     assert not isinstance(engine.wrapped, torch.nn.parallel.DistributedDataParallel)
     assert engine.preconditioner is None
     # 64 samples / batch 16 = 4 steps an epoch; 2 epochs capped by max_steps 5.
-    assert trainer.train_sampler.steps_per_epoch == 4
+    assert trainer.train_data.steps_per_epoch == 4
     assert trainer.settings.total_steps == 5
     assert trainer.optimizer is engine.optimizer
     trainer.metrics.close()
@@ -66,3 +67,35 @@ def test_kfac_is_built_in_front_of_the_optimizer_with_the_run_scaler(tmp_path: P
 def test_a_pipeline_layout_on_one_rank_is_refused_in_one_line(tmp_path: Path, tiny_data: Path) -> None:
     with pytest.raises(ConfigError, match="needs a world of at least 2 ranks"):
         _config(tiny_data, tmp_path / "run", parallel__pp=2)
+
+
+def test_the_example_batch_has_the_runs_shape_and_targets() -> None:
+    """The compile trial and the memory profile run on a batch of the run's shape: volumes with float
+    targets for a regression set (a cosmoflow compile trial once built 2-D images and integer labels)."""
+    from kaisoku.engine.build import example_batch
+    from kaisoku.parts import UserParts
+    from kaisoku.run_plan import DataFacts, WorldShape, describe_model, resolve
+
+    cfg = Config()
+    cfg.model.name = "cosmoflow"
+    cfg.data.global_batch = 8
+    volumes = DataFacts(
+        source="packed",
+        task="regression",
+        sample_shape=(4, 8, 8, 8),
+        in_channels=4,
+        num_classes=4,
+        num_samples=32,
+    )
+    plan = resolve(cfg, WorldShape(2, 2), volumes, describe_model(cfg, volumes))
+    inputs, targets = example_batch(plan, torch.device("cpu"), UserParts())
+    assert inputs.shape == (4, 4, 8, 8, 8) and inputs.dtype == torch.float32
+    assert targets.shape == (4, 4) and targets.is_floating_point()
+    images = resolve(
+        Config(),
+        WorldShape(2, 2),
+        DataFacts(source="packed", num_classes=10, num_samples=640),
+        describe_model(Config(), DataFacts(source="packed", num_classes=10)),
+    )
+    inputs, targets = example_batch(images, torch.device("cpu"), UserParts())
+    assert inputs.shape == (64, 3, 24, 24) and targets.dtype == torch.int64 and int(targets.max()) < 10

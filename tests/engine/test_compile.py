@@ -9,11 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from kaisoku.config import Config, validate
+from kaisoku.config import Config
 from kaisoku.engine.compile import compile_conflict, compile_for_training, synthetic_batch
 from kaisoku.errors import ConfigError
 from kaisoku.optim import LARS
 from kaisoku.optim.schedules import WarmupSchedule
+from kaisoku.run_plan import check_config
 
 
 def tiny_model() -> nn.Module:
@@ -93,9 +94,9 @@ def test_conflicts_are_refused_in_one_line() -> None:
     with pytest.raises(
         ConfigError, match="train.compile=model does not work with optim.kfac.enabled"
     ) as info:
-        validate(cfg)
+        check_config(cfg)
     assert "\n" not in str(info.value)
     cfg = copy.deepcopy(cfg)
     cfg.train.compile = "sometimes"  # type: ignore[assignment]
     with pytest.raises(ConfigError, match="train.compile must be"):
-        validate(cfg)
+        check_config(cfg)

@@ -59,8 +59,7 @@ def _trainer(tmp_path: Path, model: nn.Sequential, poison: dict[int, float], **s
     return Trainer(
         engine=engine,
         precision=engine.precision,
-        train_loader=sampler,  # type: ignore[arg-type]
-        train_sampler=sampler,
+        train_data=sampler,  # type: ignore[arg-type]
         val_loader=None,
         settings=TrainSettings(global_batch=8, mean=(0.5,), std=(0.25,), **settings),
         world=World(),

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kaisoku.config import Config, validate
+from kaisoku.config import Config
 from kaisoku.data.cosmo import universe_arrays
 from kaisoku.data.datagen import generate
 from kaisoku.data.writer import pack
@@ -23,6 +23,7 @@ from kaisoku.engine.build import build_trainer
 from kaisoku.errors import ConfigError
 from kaisoku.optim.schedules import schedule_factor
 from kaisoku.presets import get_preset
+from kaisoku.run_plan import check_config
 from tests.dist_harness import run_ranks
 from tests.train_harness import cosmoflow_tiny_config, train_env
 
@@ -72,19 +73,19 @@ def _cfg(**fields: object) -> Config:
 def test_data_that_does_not_fit_is_one_line_naming_both_sides(tmp_path: Path, volumes: Path) -> None:
     images = generate(tmp_path / "shapes", count=10, size=8, val_count=10, workers=1)
     with pytest.raises(ConfigError, match=r"model.name cosmoflow takes volumes .* holds 2D images") as error:
-        validate(_cfg(model__name="cosmoflow", data__path=str(images)))
+        check_config(_cfg(model__name="cosmoflow", data__path=str(images)))
     assert "\n" not in str(error.value)
     with pytest.raises(
         ConfigError, match=r"holds volumes \[4, 8, 8, 8\] \(regression\), but model.name resnet10"
     ):
-        validate(_cfg(data__path=str(volumes)))
+        check_config(_cfg(data__path=str(volumes)))
     with pytest.raises(ConfigError, match="train.loss cross-entropy does not fit"):
-        validate(_cfg(model__name="cosmoflow", data__path=str(volumes), train__loss="cross-entropy"))
+        check_config(_cfg(model__name="cosmoflow", data__path=str(volumes), train__loss="cross-entropy"))
     with pytest.raises(ConfigError, match="train.loss mse does not fit"):
-        validate(_cfg(data__path=str(images), train__loss="mse"))
+        check_config(_cfg(data__path=str(images), train__loss="mse"))
     with pytest.raises(ConfigError, match="label_smoothing"):
-        validate(_cfg(model__name="cosmoflow", data__path=str(volumes), train__label_smoothing=0.1))
-    validate(_cfg(model__name="cosmoflow", data__path=str(volumes)))  # fits: no error
+        check_config(_cfg(model__name="cosmoflow", data__path=str(volumes), train__label_smoothing=0.1))
+    check_config(_cfg(model__name="cosmoflow", data__path=str(volumes), data__global_batch=8))  # fits
 
 
 def test_reference_preset_schedule_decays_at_epochs_32_and_64() -> None:

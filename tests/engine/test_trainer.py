@@ -39,6 +39,15 @@ class ListSampler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.start = state["epoch"], state["start"]
 
+    def set_shard(self, shard: int, shards: int) -> None:
+        raise AssertionError("a data-parallel run never changes its shard")
+
+    def epoch_stats(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
 
 def _batches(count: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """uint8 NCHW images and labels, as the loaders yield them."""
@@ -62,8 +71,7 @@ def _trainer(tmp_path: Path, engine: Any, sampler: ListSampler, total_steps: int
     return Trainer(
         engine=engine,
         precision=precision,
-        train_loader=sampler,  # type: ignore[arg-type]
-        train_sampler=sampler,
+        train_data=sampler,  # type: ignore[arg-type]
         val_loader=_batches(2, seed=1),  # type: ignore[arg-type]
         settings=TrainSettings(total_steps=total_steps, global_batch=8, mean=(0.5,), std=(0.25,), **settings),
         world=World(),

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from kaisoku.config import validate
 from kaisoku.data.datagen import generate
 from kaisoku.distributed.env import World
 from kaisoku.engine.build import build_trainer
+from kaisoku.run_plan import check_config
 from tests.dist_harness import run_ranks
 from tests.train_harness import cosmoflow_tiny_config, metric_lines, tiny_config
 
@@ -68,7 +68,7 @@ def test_autocast_modes_train_on_cuda(mode: str, tmp_path: Path, tiny_data: Path
     cfg = tiny_config(
         tiny_data, tmp_path / "run", precision__mode=mode, train__device="cuda", train__epochs=3
     )
-    validate(cfg, world_size=1)
+    check_config(cfg, 1)
     trainer = build_trainer(cfg, World())
     assert trainer.device.type == "cuda"
     scaler = trainer.engine.precision.scaler
@@ -174,7 +174,7 @@ def test_cosmoflow_trains_on_cuda(tmp_path: Path) -> None:
     cfg = cosmoflow_tiny_config(
         tmp_path / "packed", tmp_path / "run", train__max_steps=4, train__device="cuda"
     )
-    validate(cfg, world_size=1)
+    check_config(cfg, 1)
     trainer = build_trainer(cfg, World())
     summary = trainer.fit()
     trainer.metrics.close()

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from kaisoku.engine.compile import synthetic_batch
 from kaisoku.errors import ConfigError
 from kaisoku.memory.checkpointing import apply_techniques
 from kaisoku.memory.offload import DiskOffload, check_offload_dir
@@ -124,8 +125,7 @@ def test_profile_offers_int8_and_models_each_backward(tmp_path: Path) -> None:
     before = {k: v.clone() for k, v in model.state_dict().items()}
     profile = profile_step(
         model,
-        input_shape=(8, 3, 16, 16),
-        num_classes=5,
+        batch=synthetic_batch((8, 3, 16, 16), 5, torch.device("cpu"), seed=0),
         device=torch.device("cpu"),
         offload="disk",
         offload_dir=str(tmp_path),

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kaisoku.data.datagen import generate
+from kaisoku.engine.compile import synthetic_batch
 from kaisoku.memory.profile import Profile
 from tests.dist_harness import run_ranks
 from tests.train_harness import metric_lines, tiny_config
@@ -76,8 +77,7 @@ def _too_small_on_rank_zero(rank: int) -> str:
             model,
             memory,
             device=torch.device("cpu"),
-            input_shape=(4, 8),
-            num_classes=2,
+            batch=synthetic_batch((4, 8), 2, torch.device("cpu"), seed=0),
             agree=rank_zero_value,
         )
     return str(info.value)

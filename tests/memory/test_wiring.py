@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kaisoku.config import Config, validate
+from kaisoku.config import Config
 from kaisoku.errors import ConfigError
+from kaisoku.run_plan import check_config
 
 
 @pytest.mark.parametrize(
@@ -22,10 +23,10 @@ from kaisoku.errors import ConfigError
 def test_update_in_backward_refuses_exclusions(override, needle: str) -> None:
     cfg = Config()
     cfg.memory.update_in_backward = True
-    validate(cfg)  # the defaults are fine
+    check_config(cfg)  # the defaults are fine
     override(cfg)
     with pytest.raises(ConfigError, match="memory.update_in_backward cannot be combined with") as info:
-        validate(cfg)
+        check_config(cfg)
     assert needle in str(info.value)
     assert "\n" not in str(info.value)
 
@@ -35,7 +36,7 @@ def test_recompute_refused_under_pipeline() -> None:
     cfg.memory.recompute = "blocks"
     cfg.parallel.pp = 2
     with pytest.raises(ConfigError, match="memory.recompute and memory.compress are for data parallelism"):
-        validate(cfg)
+        check_config(cfg)
 
 
 def _trained(data, run_dir, **memory: object):
@@ -58,7 +59,7 @@ def _trained(data, run_dir, **memory: object):
     cfg.metrics.progress = False
     for key, value in memory.items():
         apply_override(cfg, f"memory.{key}", value)
-    validate(cfg, world_size=1)
+    check_config(cfg, 1)
     trainer = build_trainer(cfg, World())
     with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):  # exact on a GPU too
         summary = trainer.fit()
@@ -91,7 +92,7 @@ def test_block_list_checked_before_training() -> None:
     cfg.memory.recompute = "blocks"
     cfg.memory.blocks = "1-40"
     with pytest.raises(ConfigError, match=r"memory.blocks: '1-40' is outside the model's blocks 0-9"):
-        validate(cfg)
+        check_config(cfg)
 
 
 @pytest.mark.timeout(300)
@@ -123,9 +124,9 @@ def test_policy_naming_a_missing_block_lists_the_blocks() -> None:
     with pytest.raises(
         ConfigError, match=r"memory.policy: block '12' does not exist; the model's blocks are 0-9"
     ):
-        validate(cfg)
+        check_config(cfg)
     cfg.memory.policy = ""
     cfg.memory.offload = "disk"
     cfg.memory.offload_dir = "/nonexistent/kaisoku"
     with pytest.raises(ConfigError, match="memory.offload_dir /nonexistent/kaisoku does not exist"):
-        validate(cfg)
+        check_config(cfg)

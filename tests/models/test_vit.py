@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from kaisoku.config import Config, OptimConfig, validate
+from kaisoku.config import Config, OptimConfig
 from kaisoku.errors import ConfigError
 from kaisoku.memory.checkpointing import apply_recompute
 from kaisoku.models.blocks import check_blocks_cover, ordered_blocks, run_blocks
@@ -15,6 +15,7 @@ from kaisoku.models.zoo import block_count, build_model
 from kaisoku.optim.factory import build_optimizer, param_groups
 from kaisoku.optim.kfac import KFAC
 from kaisoku.presets import get_preset
+from kaisoku.run_plan import check_config
 
 
 def tiny(in_channels: int = 1, image_size: int = 16, seed: int = 0) -> nn.Module:
@@ -136,17 +137,17 @@ def test_pipeline_degree_above_the_vit_block_count_is_one_line() -> None:
     cfg.parallel.microbatches = 16
     cfg.parallel.dp = 1
     cfg.parallel.pp = 8
-    validate(cfg, world_size=8)  # 8 blocks: one a stage
+    check_config(cfg, 8)  # 8 blocks: one a stage
     cfg.data.image_size = 30
     with pytest.raises(ConfigError, match=r"image size 30 px is not a multiple of its patch size 4 px"):
-        validate(cfg, world_size=8)  # before any rank starts
+        check_config(cfg, 8)  # before any rank starts
     cfg.data.image_size = 32
     cfg.parallel.pp = 16
     with pytest.raises(
         ConfigError,
         match=r"layout pp16 needs 16 pipeline stages .* the model has only 8 blocks; use at most 8",
     ):
-        validate(cfg, world_size=16)
+        check_config(cfg, 16)
 
 
 def test_a_volume_set_for_a_vit_is_one_line_naming_both(tmp_path) -> None:
@@ -158,7 +159,7 @@ def test_a_volume_set_for_a_vit_is_one_line_naming_both(tmp_path) -> None:
     cfg.data.path = str(packed)
     cfg.data.image_size = 32
     with pytest.raises(ConfigError, match=r"holds volumes .*regression.* model.name vit-tiny is a 2D image"):
-        validate(cfg, world_size=2)
+        check_config(cfg, 2)
 
 
 def test_the_vit_recipe_from_python() -> None:

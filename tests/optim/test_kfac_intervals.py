@@ -11,10 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from kaisoku.config import Config, validate
+from kaisoku.config import Config
 from kaisoku.errors import ConfigError
 from kaisoku.optim.kfac import KFAC
 from kaisoku.optim.kfac.intervals import WARMUP_STEPS, choose_intervals, predicted_overhead
+from kaisoku.run_plan import check_config
 from tests.dist_harness import run_ranks
 
 
@@ -64,7 +65,7 @@ def test_rejects_bad_values() -> None:
     cfg = Config()
     cfg.optim.kfac.overhead_target = -0.1
     with pytest.raises(ConfigError, match="overhead_target"):
-        validate(cfg, world_size=1)
+        check_config(cfg, 1)
 
 
 def _model() -> nn.Module:

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from kaisoku.cli import main as cli_main
-from kaisoku.config import Config, apply_override, validate
+from kaisoku.config import Config, apply_override
 from kaisoku.data.datagen import generate
 from kaisoku.distributed.env import World
 from kaisoku.engine.build import build_trainer
 from kaisoku.errors import ConfigError
 from kaisoku.precision.quant import QuantConv2d
+from kaisoku.run_plan import check_config
 from tests.train_harness import metric_lines, tiny_config
 
 
@@ -36,7 +37,7 @@ def test_stats_mode_trains_and_logs_per_layer_statistics(
         train__log_every=2,
         train__device="cpu",  # the emulation (a GPU with fp8 tensor cores runs tests/gpu's real path)
     )
-    validate(cfg, world_size=1)
+    check_config(cfg, 1)
     trainer = build_trainer(cfg, World())
     assert isinstance(trainer.engine.model.features[1][0], QuantConv2d)
     summary = trainer.fit()
@@ -65,16 +66,16 @@ def test_old_key_and_bad_input_are_one_line() -> None:
     cfg.train.device = "cpu"
     cfg.precision.mode = "fp16"
     with pytest.raises(ConfigError, match="precision.mode fp16 needs CUDA.*use bf16"):
-        validate(cfg)
+        check_config(cfg)
     cfg.precision.mode = "fp8-stats"
     cfg.precision.fp8 = "real"
     with pytest.raises(ConfigError, match="precision.fp8 real: cpu has no fp8 matmul"):
-        validate(cfg)
+        check_config(cfg)
     cfg.precision.fp8 = "auto"
     cfg.model.name = "small-cnn"
     cfg.precision.keep = ["first", "features.7"]
     with pytest.raises(ConfigError) as info:
-        validate(cfg)
+        check_config(cfg)
     assert "no Conv2d/Linear layer named 'features.7'" in str(info.value)
     assert "features.1.0" in str(info.value) and "\n" not in str(info.value)
 

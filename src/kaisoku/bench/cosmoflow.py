@@ -41,6 +41,7 @@ from kaisoku.engine.checkpoint import CheckpointManager
 from kaisoku.engine.data_build import build_data
 from kaisoku.models.zoo import build_model
 from kaisoku.presets import get_preset
+from kaisoku.run_plan import plan_run
 
 ERROR_MODE = "log1p"
 """How the lossy packs bound their error: in the log1p domain, where the model sees the counts."""
@@ -85,8 +86,8 @@ def _config(pack_dir: Path, size: int) -> Config:
 
 def _loader_epoch(cfg: Config, epoch_box: list[int]) -> Any:
     """One epoch of the training loader built from ``cfg``; returns a callable timing the next epoch."""
-    data = build_data(cfg, World(), torch.device("cpu"))
-    loader = data.train_loader
+    data = build_data(plan_run(cfg, 1), World(), torch.device("cpu"))
+    loader = data.train
 
     def one_epoch() -> float:
         epoch_box[0] += 1
@@ -101,7 +102,7 @@ def _loader_epoch(cfg: Config, epoch_box: list[int]) -> Any:
 @torch.no_grad()
 def _val_mae(cfg: Config, model: torch.nn.Module) -> float:
     """Mean absolute error of ``model`` over ``cfg``'s validation set, as training's validation computes it."""
-    data = build_data(cfg, World(), torch.device("cpu"))
+    data = build_data(plan_run(cfg, 1), World(), torch.device("cpu"))
     errors = [(model(x) - y).abs().mean(dim=1) for x, y in data.val_loader or ()]
     return float(torch.cat(errors).mean())
 

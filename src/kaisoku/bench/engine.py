@@ -44,6 +44,7 @@ from kaisoku.engine.build import build_trainer
 from kaisoku.engine.data_build import build_data
 from kaisoku.models.zoo import build_model
 from kaisoku.optim.factory import build_optimizer
+from kaisoku.run_plan import WorldShape, plan_run
 
 NAME = "engine"
 WORLD_SIZE = 2
@@ -83,28 +84,28 @@ class MinimalLoop:
 
     def __init__(self, cfg: Config, world: World, device: torch.device) -> None:
         torch.manual_seed(cfg.train.seed)
-        data = build_data(cfg, world, device)
-        if isinstance(data.train_loader, ShardLoader):
-            data.train_loader.connect(run_token="minimal-baseline")
+        plan = plan_run(cfg, WorldShape(world.world_size, world.local_world_size))
+        data = build_data(plan, world, device)
+        if isinstance(data.train, ShardLoader):
+            data.train.connect(run_token="minimal-baseline")
         model = build_model(
             cfg.model.name,
-            num_classes=cfg.model.num_classes or data.num_classes,
+            num_classes=plan.model.spec.num_classes,
             stem=cfg.model.stem,
-            in_channels=data.in_channels,
+            in_channels=plan.model.spec.in_channels,
         ).to(device)
         self.optimizer = build_optimizer(model, cfg.optim)
         self.model = wrap_ddp(model, device, plan=BucketPlan(mode="uniform"))
         self.device = device
-        self.loader = data.train_loader
-        self.sampler = data.train_sampler
-        self.mean, self.std = data.mean, data.std
+        self.loader = data.train
+        self.mean, self.std = plan.mean, plan.std
         self._batches: Any = None
         self._epoch = 0
 
     def _next(self) -> tuple[torch.Tensor, torch.Tensor]:
         while True:
             if self._batches is None:
-                self.sampler.set_epoch(self._epoch)
+                self.loader.set_epoch(self._epoch)
                 self._batches = iter(self.loader)
             try:
                 return next(self._batches)
@@ -142,7 +143,7 @@ def measure_row(cfg: Config, world: World, plan: dict[str, int]) -> dict[str, An
     """Rounds of kaisoku and the minimal loop on ``cfg``'s data until the ratio's IQR is small enough."""
     trainer = build_trainer(cfg, world, resume="")
     baseline = MinimalLoop(cfg, world, pick_device(cfg.train.device, world))
-    if baseline.sampler.steps_per_epoch != trainer.train_sampler.steps_per_epoch:
+    if baseline.loader.steps_per_epoch != trainer.train_data.steps_per_epoch:
         raise RuntimeError("the two sides' epochs differ in steps")
     # One chunk is one log interval: kaisoku writes its metrics line once per chunk, as in training.
     chunk = cfg.train.log_every
@@ -174,9 +175,8 @@ def measure_row(cfg: Config, world: World, plan: dict[str, int]) -> dict[str, An
             if iqr < IQR_TARGET:
                 break
     trainer.metrics.close()
-    for loader in (trainer.train_loader, baseline.loader):
-        if isinstance(loader, ShardLoader):
-            loader.close()
+    for loader in (trainer.train_data, baseline.loader):
+        loader.close()
     steps = chunk * plan["chunks_per_round"]
     return {"rounds": rounds, "converged": iqr < IQR_TARGET, "steps_per_block": steps}
 

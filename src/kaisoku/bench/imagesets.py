@@ -114,6 +114,7 @@ def production_loader(
     from kaisoku.config import Config
     from kaisoku.distributed.env import World
     from kaisoku.engine.data_build import shard_loader
+    from kaisoku.run_plan import plan_run
 
     cfg = Config()
     cfg.data.path = str(pack_dir)
@@ -123,7 +124,7 @@ def production_loader(
     cfg.train.seed = SEED
     cfg.train.epochs = 10**6
     dataset = ShardedDataset(pack_dir, transform=transform, decode_images=not crop_decode)
-    return shard_loader(cfg, World(), torch.device("cpu"), dataset)
+    return shard_loader(plan_run(cfg, 1), World(), torch.device("cpu"), dataset)
 
 
 def epoch_of(loader: ShardLoader, epoch: int) -> ShardLoader:

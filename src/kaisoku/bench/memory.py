@@ -37,6 +37,7 @@ from torch import nn
 from kaisoku.bench.common import bench_device, goal, interleaved, median_iqr, record_and_show
 from kaisoku.config import OptimConfig, SchedConfig
 from kaisoku.config_sections import MemoryConfig
+from kaisoku.engine.compile import synthetic_batch
 from kaisoku.engine.step import DataParallelStep, Precision
 from kaisoku.errors import KaisokuError
 from kaisoku.memory.in_backward import attach_update_in_backward
@@ -44,6 +45,7 @@ from kaisoku.memory.measure import measure_in_subprocess
 from kaisoku.memory.profile import setup_memory
 from kaisoku.models.zoo import build_model
 from kaisoku.optim.factory import build_optimizer, build_scheduler
+from kaisoku.run_plan import check_config
 
 #: Technique -> its ``memory.*`` settings (offload_dir is filled in at run time).
 TECHNIQUES: dict[str, dict[str, Any]] = {
@@ -131,7 +133,10 @@ class Setup:
         net = _model(model, image).to(self.device)
         settings = MemoryConfig(**memory)
         self.memory = setup_memory(
-            net, settings, device=self.device, input_shape=(batch, 3, image, image), num_classes=10
+            net,
+            settings,
+            device=self.device,
+            batch=synthetic_batch((batch, 3, image, image), 10, self.device, seed=0),
         )
         torch.manual_seed(seed + 1)  # the same state after setup whether or not the planner profiled
         optimizer = build_optimizer(net, OptimConfig(name="sgd", lr=0.05, momentum=0.9))
@@ -294,7 +299,7 @@ def largest_batch(budget_mib: float, sizes: Sizes, offload_dir: str) -> tuple[in
 
 def accuracy_run(sizes: Sizes, work: Path) -> dict[str, float]:
     """Validation accuracy of a short ``kaisoku train`` run per saved-activation mode (none, bf16, int8)."""
-    from kaisoku.config import Config, validate
+    from kaisoku.config import Config
     from kaisoku.data.datagen import generate
     from kaisoku.distributed.env import World
     from kaisoku.engine.build import build_trainer
@@ -316,7 +321,7 @@ def accuracy_run(sizes: Sizes, work: Path) -> dict[str, float]:
         cfg.train.epochs = acc["epochs"]
         cfg.metrics.progress = False
         cfg.memory.compress = mode  # type: ignore[assignment]
-        validate(cfg, world_size=1)
+        check_config(cfg, 1)
         trainer = build_trainer(cfg, World())
         summary = trainer.fit()
         trainer.metrics.close()

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kaisoku.bench.common import fast_bf16, goal, locate_mnist, record_and_show
+from kaisoku.run_plan import check_config
 
 #: Mode label -> ``precision.*`` settings.
 MODES: dict[str, dict[str, Any]] = {
@@ -128,13 +129,12 @@ def _one_run(task: Task, data: str, work: str, seed: int, mode: str) -> dict[str
     import contextlib
     import io
 
-    from kaisoku.config import validate
     from kaisoku.distributed.env import World
     from kaisoku.engine.build import build_trainer
 
     torch.set_num_threads(1)
     cfg = train_config(task, Path(data), Path(work) / f"{task.name}-{mode}-{seed}", seed, mode)
-    validate(cfg, world_size=1)
+    check_config(cfg, 1)
     with contextlib.redirect_stdout(io.StringIO()):
         trainer = build_trainer(cfg, World())
         summary = trainer.fit()

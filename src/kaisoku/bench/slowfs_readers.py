@@ -166,6 +166,7 @@ def node_loader(
     from kaisoku.config_sections import ByteSize
     from kaisoku.distributed.env import World
     from kaisoku.engine.data_build import shard_loader
+    from kaisoku.run_plan import WorldShape, plan_run
 
     ram, local = dirs.node(f"node{rank}")
     cfg = Config()
@@ -183,7 +184,7 @@ def node_loader(
         dataset = ShardedDataset(pack_dir, transform=EncodedSize(), decode_images=False)
     else:
         dataset = ShardedDataset(pack_dir, transform=flip_transform(size))
-    return shard_loader(cfg, world, torch.device("cpu"), dataset)
+    return shard_loader(plan_run(cfg, WorldShape(world_size, 1)), world, torch.device("cpu"), dataset)
 
 
 @dataclass(frozen=True)

@@ -1,268 +1,139 @@
-"""Build every part of a run from its config, in one place, and hand them to the trainer."""
+"""Build every part of a run from its resolved plan, in one place, and hand them to the trainer.
+
+:func:`build_trainer` resolves the config on this rank's world (:func:`kaisoku.run_plan.plan_run`), then
+each builder takes the plan: the data (:func:`~kaisoku.engine.data_build.build_data`), the model and its
+precision (:func:`build_model_for`), the step engine (:func:`build_data_parallel_engine` or
+:func:`build_hybrid_engine`), the trainer. The user's own model, dataset and loss enter here
+(:class:`~kaisoku.parts.UserParts`) and get every feature the zoo's do.
+"""
 
 from __future__ import annotations
 
 import functools
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils.data import default_collate
 
 from kaisoku.config import Config, to_dict
 from kaisoku.data.loader import ShardLoader
 from kaisoku.distributed import env
 from kaisoku.distributed.data_parallel import BucketPlan, wrap_ddp
-from kaisoku.distributed.layout import resolve_schedule
 from kaisoku.distributed.mesh import rank_coordinates
 from kaisoku.distributed.pipeline import HybridOptions
 from kaisoku.engine.checkpoint import CheckpointManager
-from kaisoku.engine.compile import compile_run
-from kaisoku.engine.data_build import build_data
+from kaisoku.engine.compile import compile_run, synthetic_batch
+from kaisoku.engine.data_build import DataParts, build_data
 from kaisoku.engine.divergence import NonFiniteGuard
 from kaisoku.engine.hybrid import HybridStep
 from kaisoku.engine.metrics import MetricsLogger
-from kaisoku.engine.step import DataParallelStep, Precision, Preconditioner, StepEngine
-from kaisoku.engine.trainer import Trainer, TrainSettings, steps_for
-from kaisoku.models.zoo import build_model
+from kaisoku.engine.step import DataParallelStep, LossFn, Precision, Preconditioner, StepEngine
+from kaisoku.engine.trainer import Trainer, TrainSettings
+from kaisoku.errors import KaisokuError
+from kaisoku.memory.profile import MemorySetup, setup_memory
 from kaisoku.optim.factory import build_optimizer, build_optimizer_from_named, build_scheduler
+from kaisoku.optim.kfac import KFAC
+from kaisoku.parts import UserParts, check_user_parts, parts_from_config
+from kaisoku.precision import apply_precision
+from kaisoku.run_plan import RunPlan, WorldShape, make_model, plan_run
 
 
-def build_trainer(cfg: Config, world: env.World, *, resume: str = "") -> Trainer:
-    """Every part of the run, built and wired; the process group is joined on the way.
+def user_parts(cfg: Config, parts: UserParts | None = None) -> UserParts:
+    """The user's parts: those given from Python, completed by those ``cfg`` names by import path."""
+    given = parts or UserParts()
+    check_user_parts(given)
+    return given.merged(parts_from_config(cfg.model.name, cfg.data.dataset, cfg.train.loss))
 
-    Joining the group starts first, in the background (``dist.eager_init``), and overlaps reading the
-    dataset's index and building the model and optimizer. The config was validated (layouts included)
-    when it was read; here the layouts are only resolved on this world.
-    """
-    device = env.pick_device(cfg.train.device, world)
-    par = cfg.parallel
-    schedule = resolve_schedule(
-        world.world_size, dp=par.dp, pp=par.pp, switch=par.switch, unit=par.switch_unit
-    )
-    hybrid = par.hybrid
-    pg_init = env.ProcessGroupInit(world, device, cfg.dist.timeout, background=cfg.dist.eager_init)
-    build_start = time.perf_counter()
-    torch.manual_seed(cfg.train.seed)
-    shard = None
-    if hybrid:
-        # Under hybrid parallelism the sampler reads the replica's shard: (dp index, dp).
-        dp_index, _ = rank_coordinates(world.rank, schedule.layout_at(0), world.local_world_size)
-        shard = (dp_index, schedule.layout_at(0).dp)
-    data = build_data(cfg, world, device, shard=shard)
-    # One sample's input shape: (C, H, W) images, or (C, D, D, D) volumes for a regression set.
-    sample_shape = data.sample_shape or (data.in_channels, cfg.data.image_size, cfg.data.image_size)
-    model = build_model(
-        cfg.model.name,
-        num_classes=cfg.model.num_classes or data.num_classes,
-        stem=cfg.model.stem,
-        zero_init_residual=cfg.model.zero_init_residual,
-        bn_momentum=cfg.model.bn_momentum,
-        in_channels=data.in_channels,
-        size=sample_shape[-1],
-        width=cfg.model.width,
-    ).to(device)
+
+def build_loss(plan: RunPlan, parts: UserParts) -> LossFn:
+    """The run's loss: the user's, else cross-entropy (with label smoothing) or mean squared error."""
+    if parts.loss is not None:
+        return parts.loss
+    if plan.loss == "mse":
+        return nn.MSELoss()
+    return nn.CrossEntropyLoss(label_smoothing=plan.label_smoothing)
+
+
+def example_batch(plan: RunPlan, device: torch.device, parts: UserParts) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch of the run's shape for the compile trial and the memory profile: the first samples of
+    the user's dataset, else standard-normal inputs with labels (or targets) keyed by train.seed."""
+    seed = plan.config.train.seed
+    if parts.train_data is not None:
+        data = parts.train_data
+        samples = [data[i % len(data)] for i in range(plan.micro_batch)]
+        inputs, targets = default_collate(samples)
+        return inputs.to(device), targets.to(device)
+    shape = plan.memory_input_shape
+    if plan.task == "regression":
+        generator = torch.Generator().manual_seed(seed)
+        inputs = torch.randn(shape, generator=generator)
+        targets = torch.randn((shape[0], plan.model.spec.num_classes), generator=generator)
+        return inputs.to(device), targets.to(device)
+    return synthetic_batch(shape, plan.model.spec.num_classes, device, seed=seed)
+
+
+@dataclass
+class BuiltModel:
+    """The run's model on its device, with its precision and memory set-up."""
+
+    model: nn.Module
+    precision: Precision
+    channels_last: bool
+    memory: MemorySetup | None
+
+
+def build_model_for(
+    plan: RunPlan,
+    world: env.World,
+    device: torch.device,
+    parts: UserParts,
+    *,
+    loss_fn: LossFn,
+    example: tuple[torch.Tensor, torch.Tensor],
+    agree: Any = None,
+) -> BuiltModel:
+    """The model of ``plan`` (the user's or the zoo's) on ``device``, in its precision, with the memory
+    techniques of ``memory.*`` applied (data parallelism; ``agree`` makes every rank take rank 0's plan)."""
+    cfg = plan.config
+    model = make_model(cfg, plan.model.spec, parts).to(device)
     # Pipeline stages send plain contiguous activations: channels-last only on the DDP path, and only for
     # images (a 3-D CNN's 5-D weights have no channels_last format).
-    channels_last = device.type == "cuda" and not hybrid and len(sample_shape) == 3
+    channels_last = (
+        device.type == "cuda" and not plan.hybrid and len(plan.sample_shape) == 3 and bool(plan.mean)
+    )
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     precision = Precision(cfg.precision.mode, device)
-    if cfg.precision.mode != "fp32":
-        from kaisoku.precision import apply_precision
-
+    if plan.precision_path != "fp32":
         precision.monitor = apply_precision(
             model, cfg.precision, device, announce=print if world.is_main else None, seed=cfg.train.seed
         )
-    memory_setup = None
-    if not hybrid:
-        from kaisoku.memory.profile import setup_memory
-
+    memory = None
+    if not plan.hybrid:
         # Global recompute / compress / offload, or the per-block plan of memory.budget / policy.
-        memory_setup = setup_memory(
+        memory = setup_memory(
             model,
             cfg.memory,
             device=device,
-            input_shape=(
-                max(1, cfg.data.global_batch // world.world_size // cfg.train.grad_accum),
-                *sample_shape,
-            ),
-            num_classes=cfg.model.num_classes or data.num_classes,
+            batch=example,
+            loss_fn=loss_fn,
             autocast=precision.autocast,
-            # Every rank applies rank 0's plan (waits for the process group only when it plans).
-            agree=functools.partial(env.rank_zero_value, ready=pg_init) if world.distributed else None,
+            agree=agree,
             ranks=world.world_size,
         )
-    # Under hybrid parallelism each rank's optimizer covers its stage only; the engine builds it.
-    optimizer = None if hybrid else build_optimizer(model, cfg.optim)
-    build_seconds = time.perf_counter() - build_start
-    wait_start = time.perf_counter()
-    pg_init.wait()
-    pg_wait_seconds = time.perf_counter() - wait_start
-    if isinstance(data.train_loader, ShardLoader):
-        # Collective set-up of the shard loader: a run token all ranks share, the exchange's group.
-        data.train_loader.connect(
-            run_token=env.shared_token(),
-            exchange_group=env.cpu_collective_group() if data.train_loader.needs_exchange else None,
-        )
-    steps_per_epoch = data.train_sampler.steps_per_epoch
-    horizon = steps_for(cfg.train.epochs, steps_per_epoch, 0)
-    total_steps = steps_for(cfg.train.epochs, steps_per_epoch, cfg.train.max_steps)
-    # The schedule spans the configured epochs; max_steps only stops early, so that a run stopped at
-    # max_steps and resumed follows the same learning-rate curve as one that never stopped.
-    make_scheduler = functools.partial(
-        build_scheduler, cfg=cfg.sched, steps_per_epoch=steps_per_epoch, total_steps=horizon
-    )
-    guard = NonFiniteGuard(model, device, every_step=cfg.train.on_nonfinite == "skip")
-    # The dataset's task decides the loss: mean squared error for regression targets.
-    loss_fn: torch.nn.Module = (
-        torch.nn.MSELoss()
-        if data.task == "regression"
-        else torch.nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
-    )
-    engine: StepEngine
-    if hybrid:
-        engine = HybridStep(
-            model,
-            schedule=schedule,
-            options=HybridOptions(
-                microbatches=par.microbatches,
-                schedule=par.schedule,
-                virtual_stages=par.virtual_stages,
-                balance=par.balance,
-            ),
-            loss_fn=loss_fn,
-            optimizer_factory=functools.partial(build_optimizer_from_named, cfg=cfg.optim),
-            scheduler_factory=make_scheduler,
-            reshard=data.train_sampler.set_shard,
-            device=device,
-            precision=precision,
-            ranks_per_node=world.local_world_size,
-            global_batch=cfg.data.global_batch,
-            input_shape=sample_shape,
-        )
-    else:
-        assert optimizer is not None
-        group = env.data_parallel_group()
-        if group is not None:
-            plan = BucketPlan(
-                mode=cfg.dist.buckets,
-                first_mb=cfg.dist.first_bucket_mb,
-                cap_mb=cfg.dist.bucket_cap_mb,
-                growth=cfg.dist.bucket_growth,
-            )
-            # Under update-in-backward the memory hook does the (optionally bf16) all-reduce itself.
-            compress = cfg.dist.compress == "bf16" and not cfg.memory.update_in_backward
-            model = wrap_ddp(model, device, plan=plan, compress_bf16=compress)
-        # Before the scheduler wraps optimizer.step; the DDP wrapper is what gets compiled.
-        compile_run(
-            cfg.train.compile,
-            model,
-            optimizer,
-            loss_fn=loss_fn,
-            autocast=precision.autocast,
-            input_shape=(
-                max(1, cfg.data.global_batch // world.world_size // cfg.train.grad_accum),
-                data.in_channels,
-                cfg.data.image_size,
-                cfg.data.image_size,
-            ),
-            num_classes=cfg.model.num_classes or data.num_classes,
-            device=device,
-            seed=cfg.train.seed,
-            announce=world.is_main,
-        )
-        if cfg.memory.update_in_backward:
-            from kaisoku.memory.in_backward import attach_update_in_backward
-
-            attach_update_in_backward(model, optimizer, compress_bf16=cfg.dist.compress == "bf16")
-        engine = DataParallelStep(
-            model,
-            optimizer,
-            make_scheduler(optimizer),
-            loss_fn=loss_fn,
-            precision=precision,
-            preconditioner=_build_kfac(cfg, model, optimizer, precision, group),
-            guard=guard,
-            update_in_backward=cfg.memory.update_in_backward,
-            activations=memory_setup.activations if memory_setup is not None else None,
-        )
-    run_dir = Path(cfg.run_dir).expanduser()
-    metrics = MetricsLogger(
-        run_dir,
-        enabled=world.is_main,
-        total_steps=total_steps,
-        progress=cfg.metrics.progress,
-        tensorboard=cfg.metrics.tensorboard,
-    )
-    if hasattr(getattr(engine, "preconditioner", None), "on_intervals"):  # K-FAC's cost-adapted intervals
-
-        def announce_intervals(record: dict[str, Any], text: str) -> None:
-            metrics.log(record)
-            metrics.message(text)
-
-        engine.preconditioner.on_intervals = announce_intervals
-    trainer = Trainer(
-        engine=engine,
-        precision=precision,
-        train_loader=data.train_loader,
-        train_sampler=data.train_sampler,
-        val_loader=data.val_loader,
-        settings=TrainSettings(
-            total_steps=total_steps,
-            grad_accum=cfg.train.grad_accum,
-            val_every=cfg.train.val_every,
-            log_every=cfg.train.log_every,
-            checkpoint_every=cfg.checkpoint.every_steps,
-            global_batch=cfg.data.global_batch,
-            channels_last=channels_last,
-            mean=data.mean,
-            std=data.std,
-            on_nonfinite=cfg.train.on_nonfinite,
-            max_skips=cfg.train.max_skips,
-            rollback_lr_scale=cfg.train.rollback_lr_scale,
-            max_rollbacks=cfg.train.max_rollbacks,
-            task=data.task,
-        ),
-        world=world,
-        device=device,
-        metrics=metrics,
-        checkpoints=CheckpointManager(run_dir / "checkpoints", keep=cfg.checkpoint.keep),
-        config_dict=to_dict(cfg),
-        guard=guard,
-    )
-    metrics.log(
-        {
-            "event": "start",
-            "world_size": world.world_size,
-            "device": str(device),
-            "build_seconds": build_seconds,
-            "process_group_seconds": pg_init.seconds,
-            "process_group_wait_seconds": pg_wait_seconds,
-            "eager_init": cfg.dist.eager_init,
-            **({"parallel": str(schedule)} if hybrid else {}),
-        }
-    )
-    if memory_setup is not None and memory_setup.plan is not None:
-        metrics.log(memory_setup.record())
-        metrics.message(memory_setup.message())
-    if resume:
-        _resume(trainer, resume)
-    return trainer
+    return BuiltModel(model=model, precision=precision, channels_last=channels_last, memory=memory)
 
 
-def _build_kfac(
-    cfg: Config,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    precision: Precision,
-    group: object,
+def build_kfac(
+    cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, group: object
 ) -> Preconditioner | None:
     """K-FAC in front of ``optimizer`` when ``optim.kfac.enabled``, averaging its factors over ``group``."""
     if not cfg.optim.kfac.enabled:
         return None
-    from kaisoku.optim.kfac import KFAC
-
     k = cfg.optim.kfac
     # The hooks go on the inner modules; DDP has already averaged the gradients they precondition.
     return KFAC(
@@ -285,6 +156,233 @@ def _build_kfac(
         grad_scaler=precision.scaler,  # K-FAC builds G from unscaled gradients under fp16
         process_group=group,
     )
+
+
+def build_data_parallel_engine(
+    plan: RunPlan,
+    built: BuiltModel,
+    *,
+    loss_fn: LossFn,
+    make_scheduler: Any,
+    guard: NonFiniteGuard,
+    device: torch.device,
+    example: tuple[torch.Tensor, torch.Tensor],
+    announce: bool,
+) -> DataParallelStep:
+    """DDP (with the bucket plan and compression), compile, update-in-backward, K-FAC: the data-parallel step."""
+    cfg = plan.config
+    model = built.model
+    optimizer = build_optimizer(model, cfg.optim)
+    group = env.data_parallel_group()
+    if group is not None:
+        plan_buckets = BucketPlan(
+            mode=cfg.dist.buckets,
+            first_mb=cfg.dist.first_bucket_mb,
+            cap_mb=cfg.dist.bucket_cap_mb,
+            growth=cfg.dist.bucket_growth,
+        )
+        # Under update-in-backward the memory hook does the (optionally bf16) all-reduce itself.
+        compress = cfg.dist.compress == "bf16" and not cfg.memory.update_in_backward
+        model = wrap_ddp(model, device, plan=plan_buckets, compress_bf16=compress)
+    # Before the scheduler wraps optimizer.step; the DDP wrapper is what gets compiled.
+    compile_run(
+        cfg.train.compile,
+        model,
+        optimizer,
+        loss_fn=loss_fn,
+        autocast=built.precision.autocast,
+        batch=example,
+        announce=announce,
+    )
+    if cfg.memory.update_in_backward:
+        from kaisoku.memory.in_backward import attach_update_in_backward  # optional: only this mode needs it
+
+        attach_update_in_backward(model, optimizer, compress_bf16=cfg.dist.compress == "bf16")
+    return DataParallelStep(
+        model,
+        optimizer,
+        make_scheduler(optimizer),
+        loss_fn=loss_fn,
+        precision=built.precision,
+        preconditioner=build_kfac(cfg, model, optimizer, built.precision, group),
+        guard=guard,
+        update_in_backward=cfg.memory.update_in_backward,
+        activations=built.memory.activations if built.memory is not None else None,
+    )
+
+
+def build_hybrid_engine(
+    plan: RunPlan,
+    built: BuiltModel,
+    data: DataParts,
+    world: env.World,
+    *,
+    loss_fn: LossFn,
+    make_scheduler: Any,
+    device: torch.device,
+) -> HybridStep:
+    """Pipeline stages (and layout switches) over the plan's schedule: the hybrid step."""
+    cfg = plan.config
+    par = cfg.parallel
+    assert plan.schedule is not None
+    return HybridStep(
+        built.model,
+        schedule=plan.schedule,
+        options=HybridOptions(
+            microbatches=par.microbatches,
+            schedule=par.schedule,
+            virtual_stages=par.virtual_stages,
+            balance=par.balance,
+        ),
+        loss_fn=loss_fn,
+        optimizer_factory=functools.partial(build_optimizer_from_named, cfg=cfg.optim),
+        scheduler_factory=make_scheduler,
+        reshard=data.train.set_shard,
+        device=device,
+        precision=built.precision,
+        ranks_per_node=world.local_world_size,
+        global_batch=cfg.data.global_batch,
+        input_shape=plan.sample_shape,
+    )
+
+
+def build_trainer(
+    cfg: Config, world: env.World, *, parts: UserParts | None = None, resume: str = ""
+) -> Trainer:
+    """Every part of the run, built from its plan and wired; the process group is joined on the way.
+
+    ``parts`` are the user's own model, dataset and loss given from Python (import paths in ``cfg`` fill in
+    the rest). Joining the group starts first, in the background (``dist.eager_init``), and overlaps
+    reading the data and building the model.
+    """
+    parts = user_parts(cfg, parts)
+    plan = plan_run(cfg, WorldShape(world.world_size, world.local_world_size), parts)
+    device = env.pick_device(cfg.train.device, world)
+    pg_init = env.ProcessGroupInit(world, device, cfg.dist.timeout, background=cfg.dist.eager_init)
+    build_start = time.perf_counter()
+    torch.manual_seed(cfg.train.seed)
+    shard = None
+    if plan.hybrid:
+        assert plan.schedule is not None
+        # Under hybrid parallelism the data order is the replica's: (dp index, dp).
+        first = plan.schedule.layout_at(0)
+        dp_index, _ = rank_coordinates(world.rank, first, world.local_world_size)
+        shard = (dp_index, first.dp)
+    data = build_data(plan, world, device, parts, shard=shard)
+    loss_fn = build_loss(plan, parts)
+    example = example_batch(plan, device, parts)
+    built = build_model_for(
+        plan,
+        world,
+        device,
+        parts,
+        loss_fn=loss_fn,
+        example=example,
+        # Every rank applies rank 0's memory plan (waits for the process group only when it plans).
+        agree=functools.partial(env.rank_zero_value, ready=pg_init) if world.distributed else None,
+    )
+    build_seconds = time.perf_counter() - build_start
+    wait_start = time.perf_counter()
+    pg_init.wait()
+    pg_wait_seconds = time.perf_counter() - wait_start
+    if isinstance(data.train, ShardLoader):
+        # Collective set-up of the shard loader: a run token all ranks share, the exchange's group.
+        data.train.connect(
+            run_token=env.shared_token(),
+            exchange_group=env.cpu_collective_group() if data.train.needs_exchange else None,
+        )
+    steps_per_epoch = data.train.steps_per_epoch
+    if plan.steps_per_epoch is not None and plan.steps_per_epoch != steps_per_epoch:
+        raise KaisokuError(
+            f"the data gives {steps_per_epoch} steps per epoch where the plan expects {plan.steps_per_epoch}"
+        )
+    horizon, total_steps = plan.total_steps(steps_per_epoch)
+    # The schedule spans the configured epochs; max_steps only stops early, so that a run stopped at
+    # max_steps and resumed follows the same learning-rate curve as one that never stopped.
+    make_scheduler = functools.partial(
+        build_scheduler, cfg=cfg.sched, steps_per_epoch=steps_per_epoch, total_steps=horizon
+    )
+    guard = NonFiniteGuard(built.model, device, every_step=cfg.train.on_nonfinite == "skip")
+    engine: StepEngine
+    if plan.hybrid:
+        engine = build_hybrid_engine(
+            plan, built, data, world, loss_fn=loss_fn, make_scheduler=make_scheduler, device=device
+        )
+    else:
+        engine = build_data_parallel_engine(
+            plan,
+            built,
+            loss_fn=loss_fn,
+            make_scheduler=make_scheduler,
+            guard=guard,
+            device=device,
+            example=example,
+            announce=world.is_main,
+        )
+    run_dir = Path(cfg.run_dir).expanduser()
+    metrics = MetricsLogger(
+        run_dir,
+        enabled=world.is_main,
+        total_steps=total_steps,
+        progress=cfg.metrics.progress,
+        tensorboard=cfg.metrics.tensorboard,
+    )
+    preconditioner = getattr(engine, "preconditioner", None)
+    if isinstance(preconditioner, KFAC):  # K-FAC's cost-adapted intervals are logged and said
+
+        def announce_intervals(record: dict[str, Any], text: str) -> None:
+            metrics.log(record)
+            metrics.message(text)
+
+        preconditioner.on_intervals = announce_intervals
+    trainer = Trainer(
+        engine=engine,
+        precision=built.precision,
+        train_data=data.train,
+        val_loader=data.val_loader,
+        settings=TrainSettings(
+            total_steps=total_steps,
+            grad_accum=cfg.train.grad_accum,
+            val_every=cfg.train.val_every,
+            log_every=cfg.train.log_every,
+            checkpoint_every=cfg.checkpoint.every_steps,
+            global_batch=cfg.data.global_batch,
+            channels_last=built.channels_last,
+            mean=plan.mean,
+            std=plan.std,
+            on_nonfinite=cfg.train.on_nonfinite,
+            max_skips=cfg.train.max_skips,
+            rollback_lr_scale=cfg.train.rollback_lr_scale,
+            max_rollbacks=cfg.train.max_rollbacks,
+            task=plan.task,
+            loss_fn=parts.loss,
+            seed=cfg.train.seed,
+        ),
+        world=world,
+        device=device,
+        metrics=metrics,
+        checkpoints=CheckpointManager(run_dir / "checkpoints", keep=cfg.checkpoint.keep),
+        config_dict=to_dict(cfg),
+        guard=guard,
+    )
+    metrics.log(
+        {
+            "event": "start",
+            "world_size": world.world_size,
+            "device": str(device),
+            "build_seconds": build_seconds,
+            "process_group_seconds": pg_init.seconds,
+            "process_group_wait_seconds": pg_wait_seconds,
+            "eager_init": cfg.dist.eager_init,
+            **({"parallel": str(plan.schedule)} if plan.hybrid else {}),
+        }
+    )
+    if built.memory is not None and built.memory.plan is not None:
+        metrics.log(built.memory.record())
+        metrics.message(built.memory.message())
+    if resume:
+        _resume(trainer, resume)
+    return trainer
 
 
 def _resume(trainer: Trainer, resume: str) -> None:

@@ -250,15 +250,12 @@ def compile_run(
     *,
     loss_fn: Callable[[Tensor, Tensor], Tensor],
     autocast: Callable[[], Any],
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    device: torch.device,
-    seed: int,
+    batch: tuple[Tensor, Tensor],
     announce: bool,
 ) -> CompileReport:
     """:func:`compile_for_training` for ``kaisoku train``.
 
-    The trial batch has ``input_shape`` (one rank's micro-batch); every rank takes rank 0's choice; the
+    ``batch`` is the trial batch (one rank's micro-batch of the run's shape); every rank takes rank 0's choice; the
     main rank (``announce``) prints the one line.
     """
     if mode == "off":
@@ -270,7 +267,7 @@ def compile_run(
         model,
         optimizer,
         loss_fn=loss_fn,
-        batch=synthetic_batch(input_shape, num_classes, device, seed=seed),
+        batch=batch,
         autocast=autocast,
         trial_model=getattr(model, "module", model),
         decide=lambda choice: str(env.broadcast_object(choice)),

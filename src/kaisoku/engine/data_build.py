@@ -1,29 +1,31 @@
-"""Build the data side of a run from its config: the training and validation loaders and what the model
-needs to know about the data (classes, channels, normalisation)."""
+"""Build the data side of a run from its plan: the training data (a :class:`TrainData`) and the validation
+loader, for a packed dataset, an image folder, the generated sets or the user's own dataset."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, default_collate
 
-from kaisoku.config import Config, data_settings
+from kaisoku.config import Config
 from kaisoku.data.counters import LoaderCounters
 from kaisoku.data.datagen import ensure_demo_dataset
 from kaisoku.data.dataset import ImageLabelTransform, ShardedDataset
 from kaisoku.data.folder import FolderSampler, ImageFolderDataset, ShardedEvalSampler, split_train_val
-from kaisoku.data.format import Index, read_index
-from kaisoku.data.loader import ShardLoader, label_count, packed_splits
-from kaisoku.data.sampler import KeyedMicroBatches
+from kaisoku.data.format import read_index
+from kaisoku.data.loader import ShardLoader, packed_splits
+from kaisoku.data.sampler import EpochSampler, KeyedMicroBatches
 from kaisoku.data.shuffle import ShuffleSpec
-from kaisoku.data.transforms import IMAGENET_MEAN, IMAGENET_STD, AugmentSpec, collate
+from kaisoku.data.transforms import AugmentSpec, collate
 from kaisoku.distributed import env
-from kaisoku.errors import ConfigError
+from kaisoku.engine.trainer import TrainData
+from kaisoku.parts import UserParts
+from kaisoku.run_plan import RunPlan
 
 
 def dataset_root(cfg: Config) -> Path:
@@ -32,20 +34,80 @@ def dataset_root(cfg: Config) -> Path:
     if cfg.data.path:
         return Path(cfg.data.path).expanduser()
     if cfg.model.name == "cosmoflow":  # the generated universe set, at data.image_size cubed
-        from kaisoku.data.cosmo import ensure_cosmo_dataset
+        from kaisoku.data.cosmo import ensure_cosmo_dataset  # start-up: the volume generator is large
 
         return ensure_cosmo_dataset(cfg.data.cache_dir, size=cfg.data.image_size)
     return ensure_demo_dataset(cfg.data.cache_dir)
 
 
+class SampledLoader:
+    """A DataLoader over an :class:`EpochSampler`'s keyed batches, as the trainer drives it (:class:`TrainData`).
+
+    The image-folder path and the user's dataset train through it; a packed dataset through
+    :class:`~kaisoku.data.loader.ShardLoader`.
+    """
+
+    def __init__(self, loader: DataLoader, sampler: EpochSampler) -> None:
+        self.loader = loader
+        self.sampler = sampler
+        self.last_quality: float | None = None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps in the current epoch."""
+        return self.sampler.steps_per_epoch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The rest of the current epoch's micro-batches."""
+        return iter(self.loader)
+
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        """Point the next iteration at ``epoch`` from ``start_step``."""
+        self.sampler.set_epoch(epoch, start_step)
+
+    def set_shard(self, shard: int, shards: int) -> None:
+        """Read data-parallel shard ``shard`` of ``shards`` from the next epoch pass on (a layout switch)."""
+        self.sampler.set_shard(shard, shards)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's resume point."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the data order (any world size)."""
+        self.sampler.load_state_dict(state)
+
+    def epoch_stats(self) -> dict[str, float] | None:
+        """The image folder's read counters (None for the user's dataset)."""
+        stats = getattr(self.sampler, "epoch_stats", None)  # only FolderSampler counts file reads
+        return stats() if callable(stats) else None
+
+    def close(self) -> None:
+        """Nothing to release: the DataLoader's workers end with it."""
+
+
+class KeyedDataset(Dataset):
+    """A user's map-style dataset addressed by the sampler's ``(epoch, index)`` keys (the epoch is unused:
+    the user's dataset does its own augmentation)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        return self.dataset[key[1]]
+
+
 def _loader(
-    dataset: ImageFolderDataset, batch_sampler: Any, workers: int, device: torch.device
+    dataset: Dataset, batch_sampler: Any, workers: int, device: torch.device, collate_fn: Any
 ) -> DataLoader:
     return DataLoader(
         dataset,
         batch_sampler=batch_sampler,
         num_workers=workers,
-        collate_fn=collate,
+        collate_fn=collate_fn,
         pin_memory=device.type == "cuda",
         persistent_workers=workers > 0,
         prefetch_factor=4 if workers > 0 else None,
@@ -54,47 +116,60 @@ def _loader(
 
 @dataclass
 class DataParts:
-    """The loaders a run trains and validates on, and what the model needs to know about the data."""
+    """What a run trains and validates on."""
 
-    train_loader: Any
-    train_sampler: Any
+    train: TrainData
     val_loader: DataLoader | None
-    num_classes: int
-    in_channels: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    task: str = "classification"
-    """``classification`` (int labels, images) or ``regression`` (float targets, volumes)."""
-    sample_shape: tuple[int, ...] = ()
-    """The shape of one input sample, without the batch: ``(C, D, D, D)`` for volumes, () for images."""
 
 
 def build_data(
-    cfg: Config, world: env.World, device: torch.device, *, shard: tuple[int, int] | None = None
+    plan: RunPlan,
+    world: env.World,
+    device: torch.device,
+    parts: UserParts | None = None,
+    *,
+    shard: tuple[int, int] | None = None,
 ) -> DataParts:
-    """Loaders for a packed dataset (shuffles, cache, exchange) or an image-folder tree (plain sampler).
+    """The training data and validation loader of ``plan``: the user's dataset, a packed dataset (shuffles,
+    cache, exchange) or an image-folder tree.
 
-    ``shard`` is ``(shard, shards)`` for the training sampler when it is not ``(rank, world size)``: the
+    ``shard`` is ``(shard, shards)`` for the training order when it is not ``(rank, world size)``: the
     replica index and count under hybrid parallelism. Validation always shards over every rank.
     """
-    root = dataset_root(cfg)
+    cfg = plan.config
     train_rank, train_world = shard if shard is not None else (world.rank, world.world_size)
+    val_args = {
+        "rank": world.rank,
+        "world_size": world.world_size,
+        "batch_size": max(1, cfg.data.global_batch // world.world_size),
+    }
+    workers = cfg.data.workers
+    if plan.data.source == "user":
+        assert parts is not None and parts.train_data is not None
+        sampler = EpochSampler(
+            [len(parts.train_data)],
+            global_batch=cfg.data.global_batch,
+            rank=train_rank,
+            world_size=train_world,
+            seed=cfg.train.seed,
+            shuffle=ShuffleSpec(unpacked=True),
+            micro_batches=cfg.train.grad_accum,
+        )
+        train = KeyedDataset(parts.train_data)
+        val_loader = None
+        if parts.val_data is not None:
+            val_sampler = ShardedEvalSampler(len(parts.val_data), **val_args)
+            val_loader = _loader(KeyedDataset(parts.val_data), val_sampler, workers, device, default_collate)
+        loader = _loader(train, KeyedMicroBatches(sampler), workers, device, default_collate)
+        return DataParts(train=SampledLoader(loader, sampler), val_loader=val_loader)
+    root = dataset_root(cfg)
     train_spec = AugmentSpec(size=cfg.data.image_size, train=True, scale=(cfg.data.crop_scale_min, 1.0))
     val_spec = AugmentSpec(size=cfg.data.image_size, train=False)
-    workers = cfg.data.workers
-    val_batch = max(1, cfg.data.global_batch // world.world_size)
-    val_sampler_args = {"rank": world.rank, "world_size": world.world_size, "batch_size": val_batch}
-    shuffle, cache = data_settings(cfg.data, world.num_nodes)
     packed = packed_splits(root)
     if packed is None:
-        if shuffle.needs_shards or cache.enabled:
-            raise ConfigError(
-                f"data.shuffle {cfg.data.shuffle}, data.local_cache and data.ram_capacity need a packed "
-                f"dataset; run kaisoku pack {root} DST and train on DST"
-            )
         train_files, val_files = split_train_val(root, cfg.data.val_fraction, cfg.train.seed)
         counters = LoaderCounters(workers)
-        sampler = FolderSampler(
+        folder_sampler = FolderSampler(
             [len(train_files)],
             counters=counters,
             root=root,
@@ -106,157 +181,68 @@ def build_data(
             shuffle=ShuffleSpec(unpacked=True),
             micro_batches=cfg.train.grad_accum,
         )
-        train = ImageFolderDataset(train_files, train_spec, seed=cfg.train.seed, counters=counters)
-        val = ImageFolderDataset(val_files, val_spec, seed=cfg.train.seed)
+        train_set = ImageFolderDataset(train_files, train_spec, seed=cfg.train.seed, counters=counters)
+        val_set = ImageFolderDataset(val_files, val_spec, seed=cfg.train.seed)
+        loader = _loader(train_set, KeyedMicroBatches(folder_sampler), workers, device, collate)
+        val_sampler = ShardedEvalSampler(len(val_files), **val_args)
         return DataParts(
-            train_loader=_loader(train, KeyedMicroBatches(sampler), workers, device),
-            train_sampler=sampler,
-            val_loader=_loader(val, ShardedEvalSampler(len(val_files), **val_sampler_args), workers, device),
-            num_classes=len(train_files.classes),
-            in_channels=3,
-            mean=IMAGENET_MEAN,
-            std=IMAGENET_STD,
+            train=SampledLoader(loader, folder_sampler),
+            val_loader=_loader(val_set, val_sampler, workers, device, collate),
         )
     train_dir, val_dir = packed
-    if read_index(train_dir).task == "regression":
-        return _volume_data(cfg, world, device, train_dir, val_dir, shard, val_sampler_args)
-    train_set = ShardedDataset(
-        train_dir,
-        transform=ImageLabelTransform(spec=train_spec, seed=cfg.train.seed, crop_decode=cfg.data.crop_decode),
-        skip_corrupt=cfg.data.skip_corrupt,
-        decode_images=not cfg.data.crop_decode,  # crop decoding needs the encoded bytes
-    )
-    in_channels = image_channels(train_set)
-    loader = shard_loader(cfg, world, device, train_set, shard=shard)
-    val_loader = None
-    if val_dir is not None:
-        val_set = ShardedDataset(
-            val_dir,
-            transform=ImageLabelTransform(spec=val_spec, seed=cfg.train.seed),
-            skip_corrupt=cfg.data.skip_corrupt,
+    if plan.task == "regression":
+        from kaisoku.data.cosmo import VolumeTargetTransform  # start-up: only volume sets need it
+
+        target = str(read_index(train_dir).target)
+
+        def transform(train: bool) -> Any:
+            return VolumeTargetTransform(seed=cfg.train.seed, train=train, target_field=target)
+
+        train_set = ShardedDataset(train_dir, transform=transform(True), skip_corrupt=cfg.data.skip_corrupt)
+        val_set = (
+            ShardedDataset(val_dir, transform=transform(False), skip_corrupt=cfg.data.skip_corrupt)
+            if val_dir is not None
+            else None
         )
-        val_loader = _loader(val_set, ShardedEvalSampler(len(val_set), **val_sampler_args), workers, device)
-    mean, std = (IMAGENET_MEAN, IMAGENET_STD) if in_channels == 3 else ((0.5,), (0.25,))
-    return DataParts(
-        train_loader=loader,
-        train_sampler=loader,
-        val_loader=val_loader,
-        num_classes=label_count(train_set),
-        in_channels=in_channels,
-        mean=mean,
-        std=std,
-    )
-
-
-def _volume_data(
-    cfg: Config,
-    world: env.World,
-    device: torch.device,
-    train_dir: Path,
-    val_dir: Path | None,
-    shard: tuple[int, int] | None,
-    val_sampler_args: dict[str, int],
-) -> DataParts:
-    """Loaders of a regression set of volumes: log1p volumes (flipped for training) and float targets."""
-    from kaisoku.data.cosmo import VolumeTargetTransform
-
-    train_set = ShardedDataset(
-        train_dir,
-        transform=VolumeTargetTransform(
-            seed=cfg.train.seed, train=True, target_field=str(read_index(train_dir).target)
-        ),
-        skip_corrupt=cfg.data.skip_corrupt,
-    )
-    volume = volume_field(train_set.index)
-    loader = shard_loader(cfg, world, device, train_set, shard=shard)
-    val_loader = None
-    if val_dir is not None:
-        val_set = ShardedDataset(
-            val_dir,
-            transform=VolumeTargetTransform(
-                seed=cfg.train.seed, train=False, target_field=str(train_set.index.target)
+    else:
+        train_set = ShardedDataset(
+            train_dir,
+            transform=ImageLabelTransform(
+                spec=train_spec, seed=cfg.train.seed, crop_decode=cfg.data.crop_decode
             ),
             skip_corrupt=cfg.data.skip_corrupt,
+            decode_images=not cfg.data.crop_decode,  # crop decoding needs the encoded bytes
         )
-        sampler = ShardedEvalSampler(len(val_set), **val_sampler_args)
-        val_loader = _loader(val_set, sampler, cfg.data.workers, device)
-    target = train_set.index.field(str(train_set.index.target))
-    return DataParts(
-        train_loader=loader,
-        train_sampler=loader,
-        val_loader=val_loader,
-        num_classes=int(np.prod(target.shape or (1,))),
-        in_channels=int(volume[0]),
-        mean=(),
-        std=(),
-        task="regression",
-        sample_shape=volume,
-    )
-
-
-def volume_field(index: Index) -> tuple[int, ...]:
-    """The ``(C, D, D, D)`` shape of a volume set's input field ``x``; a clear error for anything else."""
-    for field in index.fields:
-        if field.name != index.target and field.kind == "array" and field.shape and len(field.shape) == 4:
-            return tuple(int(d) for d in field.shape)
-    shapes = ", ".join(f"{f.name} {list(f.shape or [])}" for f in index.fields)
-    raise ConfigError(
-        f"{index.root} is a regression set without a volume field [C, D, D, D] (fields: {shapes}); "
-        "generate one with kaisoku datagen DIR --kind cosmo"
-    )
-
-
-def data_conflict(cfg: Config) -> str | None:
-    """Why ``cfg``'s dataset does not fit its model or loss (one line naming both sides), else None.
-
-    Reads only the packed index (no shards), so ``kaisoku train`` can say it before any rank starts.
-    """
-    volumetric = cfg.model.name == "cosmoflow"
-    path = Path(cfg.data.path).expanduser() if cfg.data.path else None
-    if path is not None and not path.exists():
-        return None  # a missing path is reported as such where the data is opened
-    packed = packed_splits(path) if path is not None else None
-    if path is not None and packed is not None:
-        index = read_index(packed[0])
-        task = index.task or "classification"
-        shape = next((list(f.shape or []) for f in index.fields if f.name in ("x", "image")), [])
-        what = f"data.path {path} holds {'volumes' if task == 'regression' else 'images'} {shape} ({task})"
-    elif path is None and volumetric:
-        task, what = "regression", "the generated universe set"
-    else:
-        task = "classification"
-        what = f"data.path {path or '(the generated shapes set)'} holds 2D images (classification)"
-    if volumetric and task != "regression":
-        return (
-            f"model.name cosmoflow takes volumes [4, D, D, D] with regression targets, but {what}; "
-            "generate a volume set with kaisoku datagen DIR --kind cosmo and pack it"
+        val_set = (
+            ShardedDataset(
+                val_dir,
+                transform=ImageLabelTransform(spec=val_spec, seed=cfg.train.seed),
+                skip_corrupt=cfg.data.skip_corrupt,
+            )
+            if val_dir is not None
+            else None
         )
-    if not volumetric and task == "regression":
-        return f"{what}, but model.name {cfg.model.name} is a 2D image classifier; use --model.name cosmoflow"
-    loss = cfg.train.loss
-    if loss != "auto" and (loss == "mse") != (task == "regression"):
-        return f"train.loss {loss} does not fit {what}; use train.loss auto"
-    if task == "regression" and cfg.train.label_smoothing > 0:
-        smoothing = cfg.train.label_smoothing
-        return f"train.label_smoothing {smoothing} is for classification, but {what}; set it to 0"
-    return None
+    val_loader = None
+    if val_set is not None:
+        val_loader = _loader(val_set, ShardedEvalSampler(len(val_set), **val_args), workers, device, collate)
+    return DataParts(train=shard_loader(plan, world, device, train_set, shard=shard), val_loader=val_loader)
 
 
 def shard_loader(
-    cfg: Config,
+    plan: RunPlan,
     world: env.World,
     device: torch.device,
     train_set: ShardedDataset,
     *,
     shard: tuple[int, int] | None = None,
 ) -> ShardLoader:
-    """The training :class:`ShardLoader` of ``cfg`` over ``train_set`` (shuffle, cache, batch path, workers).
+    """The training :class:`ShardLoader` of ``plan`` over ``train_set`` (shuffle, cache, batch path, workers).
 
     :func:`build_data` calls it with the dataset it opens; ``kaisoku bench loader`` with its own, so that its
     rows iterate exactly what training iterates.
     """
+    cfg = plan.config
     train_rank, train_world = shard if shard is not None else (world.rank, world.world_size)
-    shuffle, cache = data_settings(cfg.data, world.num_nodes)
     return ShardLoader(
         train_set,
         global_batch=cfg.data.global_batch,
@@ -264,19 +250,11 @@ def shard_loader(
         world_size=train_world,
         ranks_per_node=world.local_world_size,
         seed=cfg.train.seed,
-        shuffle=shuffle,
+        shuffle=plan.shuffle,
         micro_batches=cfg.train.grad_accum,
         workers=cfg.data.workers,
-        cache=cache,
+        cache=plan.cache,
         num_epochs=math.ceil(cfg.train.epochs),
         pin_memory=device.type == "cuda",
         batch_path=cfg.data.loader,
     )
-
-
-def image_channels(dataset: ShardedDataset) -> int:
-    """Channels of the dataset's images: encoded images decode to RGB; stored arrays keep theirs."""
-    for field in dataset.index.fields:
-        if field.name == "image" and field.kind == "array" and field.shape is not None:
-            return 1 if len(field.shape) == 2 else int(field.shape[-1])
-    return 3

@@ -22,6 +22,7 @@ from kaisoku.engine.metrics import print_summary
 from kaisoku.engine.report import finish_line, write_report
 from kaisoku.engine.trainer import Trainer
 from kaisoku.errors import KaisokuError
+from kaisoku.parts import UserParts
 
 
 def train_on_local_ranks(cfg: Config, nproc: int, *, rank_entry: Sequence[str] | None = None) -> int:
@@ -59,10 +60,12 @@ def train_on_local_ranks(cfg: Config, nproc: int, *, rank_entry: Sequence[str] |
     return code
 
 
-def run_training(cfg: Config, *, customize: Callable[[Trainer], None] | None = None) -> dict[str, Any]:
+def run_training(
+    cfg: Config, *, parts: UserParts | None = None, customize: Callable[[Trainer], None] | None = None
+) -> dict[str, Any]:
     """Train on the world this process belongs to; rank 0 prints the summary. Returns the summary.
 
-    ``customize`` is called with the built trainer before training starts (tests use it to hook into a
+    ``parts`` are the user's own model, dataset and loss given from Python. ``customize`` is called with the built trainer before training starts (tests use it to hook into a
     run, e.g. to pause a checkpoint write).
     """
     world = env.world_from_env()
@@ -88,7 +91,7 @@ def run_training(cfg: Config, *, customize: Callable[[Trainer], None] | None = N
         skip_corrupt=cfg.data.skip_corrupt,
         data=cfg.data.path,
     ):
-        trainer = build_trainer(cfg, world, resume=resume)
+        trainer = build_trainer(cfg, world, parts=parts, resume=resume)
         built.append(trainer)
         if customize is not None:
             customize(trainer)
@@ -97,9 +100,7 @@ def run_training(cfg: Config, *, customize: Callable[[Trainer], None] | None = N
         finally:
             trainer.metrics.close()
         env.barrier()  # no rank may still read staged shards when the node cache deletes them
-        close = getattr(trainer.train_loader, "close", None)
-        if close is not None:
-            close()
+        trainer.train_data.close()
         if world.is_main:
             print_summary(summary)
             if trainer.precision.monitor is not None:

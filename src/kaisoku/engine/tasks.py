@@ -3,12 +3,16 @@ validation sums and reports. One object per task keeps the loop free of task bra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 from torch import nn
 
 from kaisoku.data.transforms import normalize
+
+#: A loss of outputs against targets.
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Task(Protocol):
@@ -35,23 +39,35 @@ class Task(Protocol):
 
 
 class Classification:
-    """Normalised uint8 images, cross-entropy loss, top-1 accuracy."""
+    """Integer labels, top-1 accuracy; uint8 images normalised by the dataset's mean and std (inputs taken as
+    given where ``mean`` is empty); the validation loss is cross-entropy, or the run's own ``loss_fn``."""
 
     name = "classification"
 
-    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...], channels_last: bool) -> None:
+    def __init__(
+        self,
+        mean: tuple[float, ...],
+        std: tuple[float, ...],
+        channels_last: bool,
+        loss_fn: LossFn | None = None,
+    ) -> None:
         self.mean, self.std, self.channels_last = mean, std, channels_last
+        self.loss_fn = loss_fn
 
     def prepare(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalise with the dataset's mean and std; channels-last where the run asks for it."""
-        inputs = normalize(inputs, self.mean, self.std)
+        if self.mean:
+            inputs = normalize(inputs, self.mean, self.std)
         if self.channels_last:
             inputs = inputs.contiguous(memory_format=torch.channels_last)
         return inputs, targets
 
     def validation_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed cross-entropy and the number of correct top-1 predictions."""
-        loss = nn.functional.cross_entropy(outputs.float(), targets, reduction="sum").double()
+        """Summed loss and the number of correct top-1 predictions."""
+        if self.loss_fn is not None:
+            loss = (self.loss_fn(outputs, targets).detach().double() * targets.shape[0]).reshape(())
+        else:
+            loss = nn.functional.cross_entropy(outputs.float(), targets, reduction="sum").double()
         correct = (outputs.argmax(dim=1) == targets).sum().double()
         return torch.stack([loss, correct])
 
@@ -67,18 +83,27 @@ class Classification:
 
 
 class Regression:
-    """Float inputs as the loader gives them (log1p volumes), MSE loss, mean absolute error per target."""
+    """Float inputs as the loader gives them (log1p volumes), MSE loss (or the run's own ``loss_fn``), mean
+    absolute error per target."""
 
     name = "regression"
+
+    def __init__(self, loss_fn: LossFn | None = None) -> None:
+        self.loss_fn = loss_fn
 
     def prepare(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Unchanged: volumes arrive as float, already transformed in the loader."""
         return inputs, targets
 
     def validation_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed per-sample mean squared error, then the summed absolute error of each target."""
-        error = outputs.float() - targets.float()
-        return torch.cat([(error**2).mean(dim=1).sum().view(1), error.abs().sum(dim=0)]).double()
+        """Summed per-sample loss (mean squared error), then the summed absolute error of each target."""
+        count = targets.shape[0]
+        error = outputs.float().reshape(count, -1) - targets.float().reshape(count, -1)
+        if self.loss_fn is not None:
+            loss = (self.loss_fn(outputs, targets).detach().float() * count).view(1)
+        else:
+            loss = (error**2).mean(dim=1).sum().view(1)
+        return torch.cat([loss, error.abs().sum(dim=0)]).double()
 
     def empty_sums(self) -> torch.Tensor:
         """Nothing: the number of targets is known only from a batch."""
@@ -97,9 +122,15 @@ class Regression:
 
 
 def make_task(
-    name: str, *, mean: tuple[float, ...], std: tuple[float, ...], channels_last: bool = False
+    name: str,
+    *,
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+    channels_last: bool = False,
+    loss_fn: LossFn | None = None,
 ) -> Task:
-    """The task object for a dataset's ``task`` (``classification`` or ``regression``)."""
+    """The task object for a dataset's ``task`` (``classification`` or ``regression``); ``loss_fn`` is the
+    run's own loss, which validation then reports (None: cross-entropy or mean squared error)."""
     if name == "regression":
-        return Regression()
-    return Classification(mean, std, channels_last)
+        return Regression(loss_fn)
+    return Classification(mean, std, channels_last, loss_fn)

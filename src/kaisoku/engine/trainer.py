@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -28,19 +29,37 @@ from kaisoku.engine.tasks import make_task
 from kaisoku.errors import KaisokuError
 
 
-class EpochSampler(Protocol):
-    """What the trainer needs from a training sampler: epochs, a start step, and its state."""
+class TrainData(Protocol):
+    """What the trainer trains on: a rank's batches epoch by epoch, resumable exactly.
+
+    Implemented by the packed path's :class:`~kaisoku.data.loader.ShardLoader` and by
+    :class:`~kaisoku.engine.data_build.SampledLoader` (an image folder or the user's dataset).
+    """
 
     steps_per_epoch: int
+    last_quality: float | None
+    """The current epoch's shuffle-quality score, where the data path measures one."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The rest of the current epoch's (micro-)batches."""
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
         """Point the next iteration at ``epoch`` from ``start_step``."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the sampler is, for a checkpoint."""
+        """Where the data order is, for a checkpoint."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the data order; raise KaisokuError when the state is for other data."""
+
+    def set_shard(self, shard: int, shards: int) -> None:
+        """Read data-parallel shard ``shard`` of ``shards`` from the next epoch pass on (a layout switch)."""
+
+    def epoch_stats(self) -> dict[str, float] | None:
+        """Counters of the epoch so far (reads, bytes, skipped records), or None."""
+
+    def close(self) -> None:
+        """Release workers, threads and staged files."""
 
 
 @dataclass(kw_only=True)
@@ -76,6 +95,10 @@ class TrainSettings:
     task: str = "classification"
     """classification (normalised uint8 images, accuracy) or regression (float inputs as the loader gives
     them, mean absolute error per target)."""
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    """The run's own loss, which validation reports (None: cross-entropy or mean squared error)."""
+    seed: int = 0
+    """train.seed: each step's random numbers (dropout) are drawn from a generator keyed by (seed, step)."""
 
 
 @dataclass
@@ -100,8 +123,7 @@ class Trainer:
         *,
         engine: StepEngine,
         precision: Precision,
-        train_loader: torch.utils.data.DataLoader,
-        train_sampler: EpochSampler,
+        train_data: TrainData,
         val_loader: torch.utils.data.DataLoader | None,
         settings: TrainSettings,
         world: env.World,
@@ -114,12 +136,15 @@ class Trainer:
     ) -> None:
         self.engine = engine
         self.precision = precision
-        self.train_loader = train_loader
-        self.train_sampler = train_sampler
+        self.train_data = train_data
         self.val_loader = val_loader
         self.settings = settings
         self.task = make_task(
-            settings.task, mean=settings.mean, std=settings.std, channels_last=settings.channels_last
+            settings.task,
+            mean=settings.mean,
+            std=settings.std,
+            channels_last=settings.channels_last,
+            loss_fn=settings.loss_fn,
         )
         self.world = world
         self.device = device
@@ -162,7 +187,7 @@ class Trainer:
             "data": {
                 "epoch": self.state.epoch,
                 "step_in_epoch": self.state.step_in_epoch,
-                "sampler": self.train_sampler.state_dict(),
+                "sampler": self.train_data.state_dict(),
             },
             "rng": {"torch": torch.get_rng_state()},
             "world_size": self.world.world_size,
@@ -178,7 +203,7 @@ class Trainer:
             first = str(error).strip().splitlines()[0]
             raise KaisokuError(f"{source} does not match this model or optimizer: {first}") from None
         try:
-            self.train_sampler.load_state_dict(state["data"]["sampler"])
+            self.train_data.load_state_dict(state["data"]["sampler"])
         except KaisokuError as error:
             raise KaisokuError(f"{source}: {error}") from None
         torch.set_rng_state(state["rng"]["torch"])
@@ -300,6 +325,9 @@ class Trainer:
         """One optimizer step over ``micro_batches``; returns the mean loss as a device tensor (no sync)."""
         if self.guard is not None:
             self.guard.step = self.state.step + 1
+        # Dropout and any other random draw of the step come from (seed, step): a resumed run draws the
+        # same numbers as one that never stopped, whatever consumed the generator before (loader start-up).
+        torch.manual_seed(step_seed(self.settings.seed, self.state.step))
         loss = self.engine.train_step([self._prepare(images, labels) for images, labels in micro_batches])
         if self._watch_loss and self.guard is not None:
             self.guard.observe_loss(loss)
@@ -339,9 +367,11 @@ class Trainer:
             sums = batch if sums is None else sums + batch
             seen += targets.shape[0]
         values = [float(v) for v in (sums if sums is not None else self.task.empty_sums()).tolist()]
-        totals = env.all_reduce_sum([*values, float(seen)], self.device)
+        # The eval sampler hands out this rank's share exactly once: fewer seen were skipped as damaged.
+        expected = getattr(getattr(self.val_loader, "batch_sampler", None), "num_samples", seen)
+        totals = env.all_reduce_sum([*values, float(seen), float(expected - seen)], self.device)
         model.train()
-        return self.task.validation_metrics(totals[:-1], totals[-1])
+        return {**self.task.validation_metrics(totals[:-2], totals[-2]), "val_skipped_records": int(totals[-1])}
 
     # ------------------------------------------------------------------------------------------------
     # Loop
@@ -349,13 +379,13 @@ class Trainer:
     def _next_micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """The next step's micro-batches of the current epoch; None at the epoch's end."""
         if self._batches is None:
-            self.train_sampler.set_epoch(self.state.epoch, self.state.step_in_epoch)
-            quality = getattr(self.train_sampler, "last_quality", None)
+            self.train_data.set_epoch(self.state.epoch, self.state.step_in_epoch)
+            quality = self.train_data.last_quality
             if quality is not None:
                 self.metrics.log(
                     {"step": self.state.step, "epoch": self.state.epoch, "shuffle_quality": quality}
                 )
-            self._batches = iter(self.train_loader)
+            self._batches = iter(self.train_data)
         micro: list[tuple[torch.Tensor, torch.Tensor]] = []
         for batch in self._batches:
             micro.append(batch)
@@ -371,7 +401,7 @@ class Trainer:
         carries over between calls.
         """
         settings = self.settings
-        steps_per_epoch = self.train_sampler.steps_per_epoch
+        steps_per_epoch = self.train_data.steps_per_epoch
         running_loss = torch.zeros((), device=self.device)
         window_steps = 0
         window_start = time.perf_counter()
@@ -467,7 +497,7 @@ class Trainer:
             )
         return {
             "steps": self.state.step,
-            "epochs": self.state.step / self.train_sampler.steps_per_epoch,
+            "epochs": self.state.step / self.train_data.steps_per_epoch,
             "final_loss": self.last_loss,
             "samples_per_s": steps_run * self.settings.global_batch / max(wall, 1e-9),
             "train_seconds": wall,
@@ -478,8 +508,7 @@ class Trainer:
 
     def _log_data_stats(self) -> None:
         """The loader's counters for the epoch (skipped records, reads, bytes), summed over ranks."""
-        epoch_stats = getattr(self.train_sampler, "epoch_stats", None)
-        stats = epoch_stats() if callable(epoch_stats) else None
+        stats = self.train_data.epoch_stats()
         if not stats:
             return
         keys = sorted(stats)
@@ -526,6 +555,12 @@ def _diverged(found: NonFinite) -> str:
         return f"training diverged: the weights were non-finite at step {found.step}"
     what = "the loss" if found.where == "loss" else f"the gradient of {found.where}"
     return f"training diverged: {what} went non-finite at step {found.step}"
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The torch seed of optimizer step ``step`` of a run seeded ``seed`` (a hash, not seed + step, so that
+    runs of neighbouring seeds do not share steps' numbers)."""
+    return int(np.random.SeedSequence([seed, step, 0x57E9]).generate_state(1, np.uint64)[0] >> 1)
 
 
 def steps_for(epochs: float, steps_per_epoch: int, max_steps: int) -> int:

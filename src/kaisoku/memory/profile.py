@@ -1,6 +1,6 @@
 """Profile one step per block for the budget planner, and set a run's memory techniques up from config.
 
-:func:`profile_step` runs the bare model on one synthetic batch (keyed by a seed) and measures, per block
+:func:`profile_step` runs the bare model on one batch of the run's shape and measures, per block
 of :func:`~kaisoku.models.blocks.ordered_blocks`: the bytes it saves for backward, its forward time (what
 recomputing it costs), what its saved tensors take compressed and how long compression takes, its
 compression error, and what offload would leave and cost. The plain step's peak (VmHWM on the CPU,
@@ -123,8 +123,7 @@ def _bandwidth(offload: str, device: torch.device, directory: str) -> float:
 def profile_step(
     model: nn.Module,
     *,
-    input_shape: tuple[int, ...],
-    num_classes: int,
+    batch: tuple[torch.Tensor, torch.Tensor],
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     autocast: Callable[[], Any] = contextlib.nullcontext,
@@ -133,9 +132,8 @@ def profile_step(
     offload_dir: str = "",
     update_in_backward: bool = False,
     read_ahead: int = 4,
-    seed: int = 0,
 ) -> Profile:
-    """Profile one step of ``model`` (bare, not yet wrapped) on a synthetic batch of ``input_shape``.
+    """Profile one step of ``model`` (bare, not yet wrapped) on ``batch`` (inputs, targets) of the run's shape.
 
     Two steps: one with the saved tensors counted (and a warm-up), one plain, timed per block and
     measured (peak above the memory held when it began). ``offload``: none, disk or pinned (what the
@@ -148,9 +146,7 @@ def profile_step(
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
     was_training = model.training
-    gen = torch.Generator().manual_seed(seed)
-    images = torch.randn(*input_shape, generator=gen).to(device)
-    labels = torch.randint(0, num_classes, (input_shape[0],), generator=gen).to(device)
+    images, labels = (t.to(device) for t in batch)
     times = [0.0] * len(blocks)
     tallies = [_Tally() for _ in blocks]
     inputs = [0] * len(blocks)
@@ -328,8 +324,7 @@ def setup_memory(
     memory: Any,
     *,
     device: torch.device,
-    input_shape: tuple[int, ...],
-    num_classes: int,
+    batch: tuple[torch.Tensor, torch.Tensor],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     autocast: Callable[[], Any] = contextlib.nullcontext,
     agree: Callable[[Any], Any] | None = None,
@@ -366,8 +361,7 @@ def setup_memory(
         budget = parse_budget(memory.budget, total)
         profile = profile_step(
             model,
-            input_shape=input_shape,
-            num_classes=num_classes,
+            batch=batch,
             device=device,
             loss_fn=loss_fn,
             autocast=autocast,

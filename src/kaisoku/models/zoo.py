@@ -96,6 +96,16 @@ def _resnet_builder(name: str) -> Callable[..., nn.Module]:
 MODELS: dict[str, Callable[..., nn.Module]] = {name: _resnet_builder(name) for name in _RESNETS}
 
 
+def zoo_names() -> list[str]:
+    """Every model name the zoo builds."""
+    return [*MODELS, "small-cnn", "cosmoflow", *VITS]
+
+
+def is_zoo_model(name: str) -> bool:
+    """Whether ``model.name`` names a model of the zoo (rather than the user's, by import path)."""
+    return name in zoo_names()
+
+
 def build_model(
     name: str,
     *,
@@ -121,8 +131,10 @@ def build_model(
     if name in VITS:
         return build_vit(name, num_classes=num_classes, image_size=size or None, in_channels=in_channels)
     if name not in MODELS:
-        choices = ", ".join([*MODELS, "small-cnn", "cosmoflow", *VITS])
-        raise ConfigError(f"model.name: unknown model '{name}'; choose one of: {choices}")
+        raise ConfigError(
+            f"model.name: unknown model '{name}'; choose one of: {', '.join(zoo_names())}, or your own as "
+            "package.module:factory"
+        )
     return MODELS[name](
         num_classes=num_classes,
         stem=stem,

@@ -13,6 +13,7 @@ K-FAC and checkpoints see the same model.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,7 +139,11 @@ def quantizable_layers(model: nn.Module) -> list[str]:
 def resolve_keep(model: nn.Module, keep: list[str] | tuple[str, ...]) -> list[str]:
     """The layer names ``keep`` means ("first" and "last" name the first and last layer); ConfigError
     listing the layers for a name that is not one."""
-    names = quantizable_layers(model)
+    return keep_names(quantizable_layers(model), keep)
+
+
+def keep_names(names: Sequence[str], keep: Sequence[str]) -> list[str]:
+    """:func:`resolve_keep` on a model's quantizable layer names (``quantizable_layers``), in order."""
     out: list[str] = []
     for item in keep:
         item = item.strip()

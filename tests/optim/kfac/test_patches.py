@@ -225,13 +225,13 @@ def test_unknown_factor_dtype_is_refused() -> None:
 
 def test_config_factor_dtype_reaches_kfac() -> None:
     from kaisoku.config import Config, apply_override
-    from kaisoku.engine.build import _build_kfac
+    from kaisoku.engine.build import build_kfac
 
     cfg = Config()
     apply_override(cfg, "optim.kfac.enabled", "true")
     apply_override(cfg, "optim.kfac.factor-dtype", "bfloat16")
     model = nn.Sequential(nn.Linear(3, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    kfac = _build_kfac(cfg, model, optimizer, SimpleNamespace(scaler=None), None)  # type: ignore[arg-type]
+    kfac = build_kfac(cfg, model, optimizer, SimpleNamespace(scaler=None), None)  # type: ignore[arg-type]
     assert isinstance(kfac, KFAC)
     assert kfac.layers["0"].factor_dtype == torch.bfloat16

@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from kaisoku.config import Config, validate
+from kaisoku.config import Config
 from kaisoku.errors import ConfigError
 from kaisoku.optim.kfac import KFAC
+from kaisoku.run_plan import check_config
 from tests.optim.kfac.test_factors import _one_step
 
 
@@ -71,4 +72,4 @@ def test_stat_fraction_is_checked() -> None:
     cfg = Config()
     cfg.optim.kfac.stat_fraction = 1.5
     with pytest.raises(ConfigError, match=r"optim\.kfac\.stat_fraction"):
-        validate(cfg)
+        check_config(cfg)

@@ -1,0 +1,89 @@
+"""Training your own model from Python: :func:`fit` and :func:`launch`.
+
+::
+
+    import kaisoku
+
+    def main() -> None:
+        cfg = kaisoku.Config()
+        cfg.optim.name = "lars"
+        kaisoku.fit(cfg, model=MyNet(), data=my_dataset, val_data=my_val_set)
+
+    if __name__ == "__main__":
+        kaisoku.launch(main, nproc=2)   # 2 local ranks; unchanged under torchrun or srun
+
+:func:`fit` builds the same run ``kaisoku train`` builds (the plan, the engine, checkpoints, metrics, the
+report) around the given parts, so they get every feature the zoo's models get.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from kaisoku.config import Config, validate
+from kaisoku.distributed.env import inside_slurm_step, inside_torchrun, planned_world_size, world_from_env
+from kaisoku.distributed.launch import launch_local
+from kaisoku.engine.build import user_parts
+from kaisoku.engine.run import run_training
+from kaisoku.errors import KaisokuError
+from kaisoku.parts import LossFn, ModelSource, UserParts
+from kaisoku.run_plan import WorldShape, plan_run
+
+
+def fit(
+    config: Config | None = None,
+    *,
+    model: ModelSource | None = None,
+    data: Any = None,
+    val_data: Any = None,
+    loss: LossFn | None = None,
+) -> dict[str, Any]:
+    """Train ``model`` on ``data`` with every setting of ``config`` on the world this process is in.
+
+    ``model``: an ``nn.Module``, or a factory called with the run's :class:`~kaisoku.parts.ModelSpec`
+    (pipeline parallelism and the memory planner need its ordered blocks: an ``nn.Sequential`` or an
+    ``ordered_blocks()`` method). ``data`` / ``val_data``: map-style datasets of ``(input, target)`` pairs
+    (None: ``config``'s ``data.path`` or ``data.dataset``). ``loss``: ``loss(outputs, targets)``; None:
+    cross-entropy for integer targets, else mean squared error. Returns the run's summary (on every rank).
+
+    Under torchrun or srun every rank calls it; elsewhere it trains on this one process (see :func:`launch`
+    for several local ranks). A known failure prints one line and exits with its code, as ``kaisoku train``.
+    """
+    cfg = config if config is not None else Config()
+    validate(cfg)
+    parts = user_parts(cfg, UserParts(model=model, train_data=data, val_data=val_data, loss=loss))
+    world = world_from_env()
+    plan_run(cfg, WorldShape(world.world_size, world.local_world_size), parts)  # refuse before training
+    return run_training(cfg, parts=parts)
+
+
+def launch(main: Callable[[], Any], *, nproc: int = 0, max_restarts: int = 0) -> Any:
+    """Run ``main`` on ``nproc`` local ranks (0: one per GPU, else 2) and return its result on a rank.
+
+    Under torchrun or srun (or with ``nproc`` 1) ``main`` just runs here: the same script works on a laptop,
+    under ``torchrun --nproc-per-node 8 script.py`` and in an ``srun`` step. Elsewhere the script is started
+    again on ``nproc`` ranks through torchrun's own launcher (``--standalone``), each of which runs ``main``;
+    the launcher returns None when every rank succeeded and exits with one line and code 1 when one failed.
+    """
+    if inside_torchrun() or inside_slurm_step():
+        return main()
+    ranks = planned_world_size(nproc)
+    if ranks == 1:
+        return main()
+    if not sys.argv or not sys.argv[0] or sys.argv[0] in ("-c", "-"):
+        raise KaisokuError(
+            "kaisoku.launch needs a script file to start on each rank; run it as python SCRIPT.py"
+        )
+    result = launch_local([sys.argv[0], *sys.argv[1:]], nproc=ranks, max_restarts=max_restarts)
+    if result.ok:
+        return None
+    if result.interrupted:
+        print("kaisoku: interrupted", file=sys.stderr)
+        raise SystemExit(130)
+    first = result.failures[0]
+    print(
+        f"kaisoku: error: rank {first.rank} failed ({first.how}); see the run folder's logs/", file=sys.stderr
+    )
+    raise SystemExit(1)

@@ -1,0 +1,632 @@
+"""The run plan: a config resolved on a world, every derived value computed once, every cross-section check.
+
+``kaisoku train`` reads a config (each section checks its own fields, :func:`kaisoku.config.validate`),
+then :func:`plan_run` gathers what it needs to know of the data (:class:`DataFacts`: the packed index, the
+image folder's classes, or the user's dataset) and of the model (:class:`ModelFacts`: its blocks and layer
+names, from a build on the meta device) and calls :func:`resolve`, which is pure: no process group, no
+files, no model. The :class:`RunPlan` it returns holds the layouts over the run, the per-rank, replica and
+micro-batch sizes, the sample shape, task and loss, the steps per epoch, the shuffle and cache settings,
+the precision path and the memory planner's inputs. Builders take the plan and re-derive nothing.
+
+Everything that can be known before launch is refused here, before any rank starts: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from kaisoku.config import Config, validate
+from kaisoku.data.datagen import CLASSES as SHAPES_CLASSES
+from kaisoku.data.format import read_index
+from kaisoku.data.loader import packed_splits
+from kaisoku.data.shuffle import ShuffleSpec
+from kaisoku.data.sources import class_folders, image_folder_splits
+from kaisoku.data.staging import CacheSettings
+from kaisoku.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from kaisoku.distributed.env import inside_slurm_step, inside_torchrun, planned_world_size, world_from_env
+from kaisoku.distributed.layout import SwitchSchedule, check_parallel, resolve_schedule
+from kaisoku.engine.compile import compile_conflict
+from kaisoku.errors import ConfigError, KaisokuError
+from kaisoku.memory.checkpointing import parse_block_list
+from kaisoku.memory.in_backward import in_backward_conflict
+from kaisoku.memory.planner import check_memory_config
+from kaisoku.models.blocks import ordered_blocks
+from kaisoku.models.vit import check_vit_size
+from kaisoku.models.zoo import build_model, is_zoo_model
+from kaisoku.parts import ModelSpec, UserParts, build_user_model
+from kaisoku.precision import mode_conflict
+from kaisoku.precision.quant import keep_names, quantizable_layers
+
+DataSource = Literal["packed", "folder", "generated-shapes", "generated-cosmo", "user"]
+LossName = Literal["cross-entropy", "mse", "user"]
+
+
+@dataclass(frozen=True)
+class WorldShape:
+    """How many ranks a run has and how they sit on nodes: all a plan needs of the world."""
+
+    world_size: int = 1
+    ranks_per_node: int = 1
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes of the run (ranks are spread evenly over them)."""
+        return max(1, self.world_size // max(1, self.ranks_per_node))
+
+
+@dataclass(frozen=True)
+class DataFacts:
+    """What a plan needs to know of the training data, read from its index, folder or dataset object."""
+
+    source: DataSource
+    """packed (kaisoku pack), folder (class sub-folders), the generated shapes or universe set, or user."""
+    task: Literal["classification", "regression"] = "classification"
+    """classification (integer labels) or regression (float targets)."""
+    sample_shape: tuple[int, ...] = ()
+    """One input sample's shape as the model gets it; () for images cropped to data.image_size."""
+    in_channels: int = 3
+    """Channels of an input sample."""
+    num_classes: int = 0
+    """Classes (or regression targets); 0 where the data does not say."""
+    num_samples: int = 0
+    """Training samples; 0 where not known before the data is opened (an image folder)."""
+    has_val: bool = False
+    """Whether a validation split exists."""
+    root: str = ""
+    """The dataset folder (packed or image folder); "" for the user's dataset."""
+    description: str = ""
+    """How a message names the data, e.g. ``data.path /d holds images [32, 32, 3] (classification)``."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a plan needs to know of the model: how it splits into blocks and its layer names."""
+
+    spec: ModelSpec
+    """What the model was built to take and give."""
+    block_count: int | None
+    """Ordered blocks (the most pipeline stages); None when the model cannot be split into blocks."""
+    block_error: str = ""
+    """Why the model cannot be split (one line), when ``block_count`` is None."""
+    layer_names: tuple[str, ...] = ()
+    """Names of its Conv/Linear layers (precision.keep may name them)."""
+    has_randomness: bool = False
+    """Whether a module draws random numbers in training (dropout), so resume must restore the RNG."""
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A config resolved on a world: the one source of every derived value (see the module docstring)."""
+
+    config: Config
+    world: WorldShape
+    schedule: SwitchSchedule | None
+    """The layouts over the run (None in a plan made before the world size was known)."""
+    hybrid: bool
+    """Pipeline stages or a layout switch (the hybrid engine) rather than plain data parallelism."""
+    data: DataFacts
+    model: ModelFacts
+    rank_batch: int
+    """Samples a rank (data parallel) or a replica (hybrid, first layout) handles per optimizer step."""
+    micro_batch: int
+    """Samples per forward pass: rank batch / train.grad_accum, or replica batch / parallel.microbatches."""
+    sample_shape: tuple[int, ...]
+    """One input sample: ``(C, S, S)`` images, ``(C, D, D, D)`` volumes, or the user's sample shape."""
+    task: Literal["classification", "regression"]
+    loss: LossName
+    """cross-entropy, mse, or the user's loss."""
+    label_smoothing: float
+    steps_per_epoch: int | None
+    """Optimizer steps per epoch (None where the number of samples is known only once the data is open)."""
+    shuffle: ShuffleSpec
+    cache: CacheSettings
+    precision_path: Literal["fp32", "autocast", "stats"]
+    """How numbers are carried: fp32, autocast (bf16/fp16), or quantized layers (*-stats)."""
+    memory_input_shape: tuple[int, ...]
+    """The batch shape the memory planner profiles: (micro_batch, *sample_shape)."""
+    mean: tuple[float, ...]
+    """Per-channel mean (0..1 scale) uint8 image batches are normalised with; () for inputs taken as given."""
+    std: tuple[float, ...]
+    """Per-channel standard deviation matching :attr:`mean`."""
+
+    def total_steps(self, steps_per_epoch: int) -> tuple[int, int]:
+        """``(horizon, total)``: the steps of all configured epochs (the schedule's span) and the steps this
+        run trains (capped by train.max_steps)."""
+        train = self.config.train
+        horizon = max(1, math.ceil(train.epochs * steps_per_epoch))
+        return horizon, (min(horizon, train.max_steps) if train.max_steps > 0 else horizon)
+
+    def describe(self) -> str:
+        """The plan as aligned ``key: value`` lines (``kaisoku train --print-plan``)."""
+        rows: list[tuple[str, Any]] = [
+            ("world", f"{self.world.world_size} ranks, {self.world.ranks_per_node} per node"),
+            ("layouts", str(self.schedule) if self.schedule is not None else "(world size unknown)"),
+            ("engine", "hybrid (pipeline / switch)" if self.hybrid else "data parallel"),
+            ("data", self.data.description),
+            ("model", f"{self.config.model.name} ({self.model.block_count or 'no'} ordered blocks)"),
+            ("global batch", self.config.data.global_batch),
+            ("rank batch", self.rank_batch),
+            ("micro batch", self.micro_batch),
+            ("sample shape", list(self.sample_shape)),
+            ("task", self.task),
+            ("loss", self.loss),
+            ("steps per epoch", self.steps_per_epoch if self.steps_per_epoch is not None else "when opened"),
+            ("shuffle", self.shuffle.name),
+            ("node cache", "on" if self.cache.enabled else "off"),
+            ("precision", f"{self.config.precision.mode} ({self.precision_path})"),
+            ("memory profile batch", list(self.memory_input_shape)),
+        ]
+        width = max(len(key) for key, _ in rows)
+        return "\n".join(f"{key:<{width}}  {value}" for key, value in rows)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Facts: what the data and the model say (reads files, builds on the meta device).
+
+
+def generated_source(cfg: Config) -> DataSource:
+    """Which generated set a config without data.path trains on."""
+    return "generated-cosmo" if cfg.model.name == "cosmoflow" else "generated-shapes"
+
+
+def describe_data(cfg: Config, parts: UserParts | None = None) -> DataFacts:
+    """The facts of ``cfg``'s training data: the user's dataset, a packed index, an image folder, or the
+    generated set (known without generating it). One-line ConfigError for a missing or unusable path."""
+    if parts is not None and parts.train_data is not None:
+        return describe_user_data(parts.train_data, parts.val_data, cfg.model.num_classes)
+    if not cfg.data.path:
+        if generated_source(cfg) == "generated-cosmo":
+            size = cfg.data.image_size
+            return DataFacts(
+                source="generated-cosmo",
+                task="regression",
+                sample_shape=(4, size, size, size),
+                in_channels=4,
+                num_classes=4,
+                has_val=True,
+                description="the generated universe set (regression)",
+            )
+        return DataFacts(
+            source="generated-shapes",
+            num_classes=len(SHAPES_CLASSES),
+            has_val=True,
+            description="the generated shapes set: 2D images (classification)",
+        )
+    path = Path(cfg.data.path).expanduser()
+    if not path.exists():
+        raise ConfigError(f"data.path {cfg.data.path} does not exist; point it at a dataset folder")
+    if not path.is_dir():
+        raise ConfigError(f"data.path {cfg.data.path} is not a folder of class sub-folders")
+    packed = packed_splits(path)
+    if packed is None:
+        return DataFacts(
+            source="folder",
+            num_classes=len(class_folders(path / "train" if image_folder_splits(path) else path)),
+            has_val=True,
+            root=str(path),
+            description=f"data.path {path} holds 2D images (classification)",
+        )
+    try:
+        index = read_index(packed[0])
+    except KaisokuError as error:
+        raise ConfigError(str(error)) from None
+    task = "regression" if index.task == "regression" else "classification"
+    stored = next((list(f.shape or []) for f in index.fields if f.name in ("x", "image")), [])
+    facts: dict[str, Any] = {}
+    if task == "regression":
+        volume = next(
+            (f.shape for f in index.fields if f.name != index.target and f.shape and len(f.shape) == 4), None
+        )
+        if volume is None:
+            shapes = ", ".join(f"{f.name} {list(f.shape or [])}" for f in index.fields)
+            raise ConfigError(
+                f"{index.root} is a regression set without a volume field [C, D, D, D] (fields: {shapes}); "
+                "generate one with kaisoku datagen DIR --kind cosmo"
+            )
+        target = index.field(str(index.target))
+        facts = {
+            "sample_shape": tuple(int(d) for d in volume),
+            "in_channels": int(volume[0]),
+            "num_classes": int(torch.Size(target.shape or (1,)).numel()),
+        }
+    else:
+        image = next((f for f in index.fields if f.name == "image"), None)
+        channels = 3
+        if image is not None and image.kind == "array" and image.shape is not None:
+            channels = 1 if len(image.shape) == 2 else int(image.shape[-1])
+        labels = index.columns.get("label")
+        top = int(labels.max()) + 1 if labels is not None and len(labels) else 0
+        facts = {"in_channels": channels, "num_classes": len(index.classes or ()) or top}
+    kind = "volumes" if task == "regression" else "images"
+    return DataFacts(
+        source="packed",
+        task=task,
+        num_samples=index.num_samples,
+        has_val=packed[1] is not None,
+        root=str(path),
+        description=f"data.path {path} holds {kind} {stored} ({task})",
+        **facts,
+    )
+
+
+def describe_user_data(train: Any, val: Any | None, num_classes: int) -> DataFacts:
+    """The facts of a user's map-style dataset of ``(input, target)`` pairs, from its first sample."""
+    if len(train) == 0:
+        raise ConfigError("data: the training dataset is empty")
+    try:
+        sample = train[0]
+    except Exception as error:
+        raise ConfigError(
+            f"data: reading the first training sample failed: {type(error).__name__}: {error}"
+        ) from error
+    if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
+        raise ConfigError(
+            f"data: a sample is a {type(sample).__name__}; the dataset must give (input, target) pairs"
+        )
+    inputs, target = torch.as_tensor(sample[0]), torch.as_tensor(sample[1])
+    classification = target.ndim == 0 and not target.is_floating_point() and not target.is_complex()
+    classes = getattr(train, "classes", None)
+    if classification:
+        count = num_classes or (len(classes) if isinstance(classes, (list, tuple)) else 0)
+    else:
+        count = max(1, target.numel())
+    task = "classification" if classification else "regression"
+    shape = tuple(int(d) for d in inputs.shape)
+    return DataFacts(
+        source="user",
+        task=task,
+        sample_shape=shape,
+        in_channels=shape[0] if shape else 1,
+        num_classes=count,
+        num_samples=len(train),
+        has_val=val is not None,
+        description=f"the given dataset of {len(train)} samples {list(shape)} {inputs.dtype} ({task})",
+    )
+
+
+def model_spec(cfg: Config, data: DataFacts) -> ModelSpec:
+    """What the model must take and give, from the data's facts and ``model.*``."""
+    size = cfg.data.image_size
+    shape = data.sample_shape or (data.in_channels, size, size)
+    return ModelSpec(
+        sample_shape=tuple(shape),
+        num_classes=cfg.model.num_classes or data.num_classes,
+        in_channels=data.in_channels,
+        task=data.task,
+    )
+
+
+def build_zoo_model(cfg: Config, spec: ModelSpec) -> nn.Module:
+    """``model.name`` from kaisoku's zoo for ``spec`` (on the current default device)."""
+    return build_model(
+        cfg.model.name,
+        num_classes=spec.num_classes,
+        stem=cfg.model.stem,
+        zero_init_residual=cfg.model.zero_init_residual,
+        bn_momentum=cfg.model.bn_momentum,
+        in_channels=spec.in_channels,
+        size=spec.sample_shape[-1],
+        width=cfg.model.width,
+    )
+
+
+def make_model(cfg: Config, spec: ModelSpec, parts: UserParts | None = None) -> nn.Module:
+    """The run's model: the user's (an instance or a factory called with ``spec``), else the zoo's."""
+    if parts is not None and parts.model is not None:
+        return build_user_model(parts.model, spec)
+    return build_zoo_model(cfg, spec)
+
+
+def describe_model(cfg: Config, data: DataFacts, parts: UserParts | None = None) -> ModelFacts:
+    """The facts of the run's model, built on the meta device (no memory, no initialisation cost)."""
+    spec = model_spec(cfg, data)
+    if parts is None or parts.model is None:
+        if not is_zoo_model(cfg.model.name):
+            build_model(cfg.model.name, num_classes=1)  # the one-line error listing the choices
+        if spec.task == "classification" and spec.num_classes < 1:
+            raise ConfigError(
+                f"model.num_classes: {data.description or 'the dataset'} does not say how many classes it "
+                "has; set model.num_classes"
+            )
+    if parts is not None and isinstance(parts.model, nn.Module):
+        model = parts.model
+    else:
+        with torch.device("meta"):
+            model = make_model(cfg, spec, parts)
+    try:
+        count: int | None = len(ordered_blocks(model))
+        reason = ""
+    except KaisokuError as error:
+        count, reason = None, str(error)
+    layers = tuple(quantizable_layers(model))
+    randomness = any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())
+    return ModelFacts(
+        spec=spec, block_count=count, block_error=reason, layer_names=layers, has_randomness=randomness
+    )
+
+
+def planned_world(nproc: int) -> WorldShape:
+    """The world a run will have: the launcher's inside torchrun or a Slurm step, else ``nproc`` ranks on
+    this node (0: one per GPU, else 2)."""
+    if inside_torchrun() or inside_slurm_step():
+        world = world_from_env()
+        return WorldShape(world.world_size, world.local_world_size)
+    size = planned_world_size(nproc)
+    return WorldShape(size, size)
+
+
+def plan_run(cfg: Config, world: WorldShape | int | None = None, parts: UserParts | None = None) -> RunPlan:
+    """Gather the data and model facts of ``cfg`` (and the user's ``parts``) and :func:`resolve` it.
+
+    ``world`` is the world the run will have, or its size (all ranks on one node), or None where it is not
+    known yet (the layouts are then checked as far as they can be).
+    """
+    shape = WorldShape(world, world) if isinstance(world, int) else world
+    data = describe_data(cfg, parts)
+    return resolve(cfg, shape, data, describe_model(cfg, data, parts))
+
+
+def check_config(
+    cfg: Config, world: WorldShape | int | None = None, parts: UserParts | None = None
+) -> RunPlan:
+    """Everything ``kaisoku train`` checks before launch: each section's fields, then the plan."""
+    validate(cfg)
+    return plan_run(cfg, world, parts)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Resolve: pure.
+
+
+def resolve(cfg: Config, world: WorldShape | None, data: DataFacts, model: ModelFacts) -> RunPlan:
+    """The :class:`RunPlan` of ``cfg`` on ``world`` (None: not known yet) for this data and model.
+
+    Pure: every value comes from the arguments. One-line ConfigError for settings that cannot work together.
+    """
+    _check_data_against_model(cfg, data, model)
+    hybrid = cfg.parallel.hybrid
+    schedule = _check_parallel(cfg, world, data, model)
+    _check_memory(cfg, model, hybrid)
+    precision_path = _check_precision(cfg, model)
+    conflict = compile_conflict(cfg.train.compile, hybrid=hybrid, kfac=cfg.optim.kfac.enabled)
+    if conflict:
+        raise ConfigError(conflict)
+    shuffle, cache = _data_settings(cfg, world, data)
+    size = world.world_size if world is not None else 1
+    first = schedule.layout_at(0) if schedule is not None else None
+    if hybrid:
+        replicas = first.dp if first is not None else max(1, cfg.parallel.dp)
+        rank_batch = cfg.data.global_batch // replicas
+        micro_batch = max(1, rank_batch // cfg.parallel.microbatches)
+    else:
+        rank_batch = cfg.data.global_batch // size
+        micro_batch = max(1, rank_batch // cfg.train.grad_accum)
+    loss: LossName = (
+        "user"
+        if ":" in cfg.train.loss
+        else ("mse" if (cfg.train.loss == "mse" or (cfg.train.loss == "auto" and data.task == "regression"))
+              else "cross-entropy")
+    )  # fmt: skip
+    steps = data.num_samples // cfg.data.global_batch if data.num_samples else None
+    if steps == 0:
+        raise ConfigError(
+            f"the dataset has {data.num_samples} samples, fewer than one global batch of "
+            f"{cfg.data.global_batch}; lower data.global_batch or use a larger dataset"
+        )
+    sample_shape = model.spec.sample_shape
+    return RunPlan(
+        config=cfg,
+        world=world or WorldShape(),
+        schedule=schedule,
+        hybrid=hybrid,
+        data=data,
+        model=model,
+        rank_batch=rank_batch,
+        micro_batch=micro_batch,
+        sample_shape=sample_shape,
+        task=data.task,
+        loss=loss,
+        label_smoothing=cfg.train.label_smoothing,
+        steps_per_epoch=steps,
+        shuffle=shuffle,
+        cache=cache,
+        precision_path=precision_path,
+        memory_input_shape=(micro_batch, *sample_shape),
+        **_normalization(data),
+    )
+
+
+def _normalization(data: DataFacts) -> dict[str, tuple[float, ...]]:
+    """How input batches are normalised: uint8 images by ImageNet's statistics (one-channel arrays by 0.5
+    and 0.25); volumes and the user's inputs as given."""
+    if data.source == "user" or data.task != "classification":
+        return {"mean": (), "std": ()}
+    if data.in_channels == 3:
+        return {"mean": IMAGENET_MEAN, "std": IMAGENET_STD}
+    return {"mean": (0.5,), "std": (0.25,)}
+
+
+def _data_settings(
+    cfg: Config, world: WorldShape | None, data: DataFacts
+) -> tuple[ShuffleSpec, CacheSettings]:
+    """The shuffle and node-cache settings of ``data.*`` (each checks its own values) and what they need."""
+    d = cfg.data
+    shuffle = ShuffleSpec(
+        name=d.shuffle,
+        block_shards=d.block_shards,
+        buffer_size=d.buffer_size,
+        exchange=d.exchange,
+        num_nodes=world.num_nodes if world is not None else 1,
+    )
+    cache = CacheSettings(
+        local_dir=d.local_cache,
+        local_capacity=int(d.local_capacity),
+        ram_dir=d.ram_dir,
+        ram_capacity=int(d.ram_capacity),
+    )
+    if (shuffle.needs_shards or cache.enabled) and data.source in ("folder", "generated-shapes", "user"):
+        where = f"kaisoku pack {data.root} DST and train on DST" if data.root else "pack the dataset first"
+        raise ConfigError(
+            f"data.shuffle {d.shuffle}, data.local_cache and data.ram_capacity need a packed dataset; {where}"
+        )
+    return shuffle, cache
+
+
+def _check_data_against_model(cfg: Config, data: DataFacts, model: ModelFacts) -> None:
+    """The dataset against the model and the loss: one line naming both sides."""
+    what = data.description
+    if data.source != "user" and is_zoo_model(cfg.model.name):
+        volumetric = cfg.model.name == "cosmoflow"
+        if volumetric and data.task != "regression":
+            raise ConfigError(
+                f"model.name cosmoflow takes volumes [4, D, D, D] with regression targets, but {what}; "
+                "generate a volume set with kaisoku datagen DIR --kind cosmo and pack it"
+            )
+        if not volumetric and data.task == "regression":
+            raise ConfigError(
+                f"{what}, but model.name {cfg.model.name} is a 2D image classifier; use --model.name cosmoflow"
+            )
+        check_vit_size(cfg.model.name, cfg.data.image_size)
+    loss = cfg.train.loss
+    if loss in ("mse", "cross-entropy") and (loss == "mse") != (data.task == "regression"):
+        raise ConfigError(f"train.loss {loss} does not fit {what}; use train.loss auto")
+    if data.task == "regression" and cfg.train.label_smoothing > 0:
+        smoothing = cfg.train.label_smoothing
+        raise ConfigError(f"train.label_smoothing {smoothing} is for classification, but {what}; set it to 0")
+    if data.source == "user" and not data.has_val and cfg.train.val_every > 0:
+        raise ConfigError("train.val_every needs a validation set; give the dataset factory's (train, val)")
+
+
+def _block_count(model: ModelFacts, what: str) -> int:
+    """The model's ordered blocks, or a one-line ConfigError saying what ``what`` needs."""
+    if model.block_count is None:
+        raise ConfigError(f"{what} needs the model's ordered blocks: {model.block_error}")
+    return model.block_count
+
+
+def _check_parallel(
+    cfg: Config, world: WorldShape | None, data: DataFacts, model: ModelFacts
+) -> SwitchSchedule | None:
+    """``parallel.*`` on the world (degrees, batch splits, stages against blocks) and what it excludes."""
+    par = cfg.parallel
+    what = "parallel.switch" if par.switch.strip() else f"parallel.pp {par.pp}"
+    check_parallel(
+        world_size=world.world_size if world is not None else None,
+        global_batch=cfg.data.global_batch,
+        dp=par.dp,
+        pp=par.pp,
+        microbatches=par.microbatches,
+        schedule=par.schedule,
+        virtual_stages=par.virtual_stages,
+        switch=par.switch,
+        unit=par.switch_unit,
+        block_count=lambda: _block_count(model, what),
+    )
+    schedule = None
+    if world is not None:
+        schedule = resolve_schedule(
+            world.world_size, dp=par.dp, pp=par.pp, switch=par.switch, unit=par.switch_unit
+        )
+        if not par.hybrid and cfg.data.global_batch % world.world_size:
+            size, batch = world.world_size, cfg.data.global_batch
+            raise ConfigError(
+                f"data.global_batch {batch} is not a multiple of the world size {size}: {batch} / {size} = "
+                f"{batch / size:g} samples per rank; choose a global batch divisible by the number of ranks"
+            )
+    if not par.hybrid:
+        if world is not None and (cfg.data.global_batch // world.world_size) % cfg.train.grad_accum:
+            per_rank = cfg.data.global_batch // world.world_size
+            raise ConfigError(
+                f"train.grad_accum {cfg.train.grad_accum} does not divide the {per_rank} samples per rank "
+                f"(data.global_batch {cfg.data.global_batch} / {world.world_size} ranks)"
+            )
+        return schedule
+    unsupported = [
+        (cfg.train.grad_accum != 1, f"train.grad_accum {cfg.train.grad_accum}: use parallel.microbatches"),
+        (cfg.optim.kfac.enabled, "optim.kfac.enabled (K-FAC runs on data parallelism only)"),
+        (cfg.precision.mode == "fp16", "precision.mode fp16 (use bf16 or fp32)"),
+        (cfg.precision.mode.endswith("-stats"), f"precision.mode {cfg.precision.mode} (use bf16 or fp32)"),
+        (cfg.data.shuffle == "partial", f"data.shuffle {cfg.data.shuffle} (use global or block)"),
+        (
+            bool(cfg.data.local_cache) or int(cfg.data.ram_capacity) > 0,
+            "data.local_cache / data.ram_capacity (the node cache plans for data-parallel ranks)",
+        ),
+        (
+            cfg.memory.recompute != "none" or cfg.memory.compress != "none",
+            "memory.recompute / memory.compress (they are for data parallelism; set them to none)",
+        ),
+    ]
+    for refused, setting in unsupported:
+        if refused:
+            raise ConfigError(f"{what} does not work with {setting}")
+    _block_count(model, what)
+    return schedule
+
+
+def _check_memory(cfg: Config, model: ModelFacts, hybrid: bool) -> None:
+    """``memory.*`` against the engine, the optimizer and the model's blocks."""
+    mem = cfg.memory
+    if mem.update_in_backward:
+        conflict = in_backward_conflict(
+            optimizer=cfg.optim.name,
+            grad_accum=cfg.train.grad_accum,
+            kfac=cfg.optim.kfac.enabled,
+            hybrid=hybrid,
+            precision=cfg.precision.mode,
+            on_nonfinite=cfg.train.on_nonfinite,
+            compile_mode=cfg.train.compile,
+            compile_optimizer=cfg.optim.compile,
+        )
+        if conflict:
+            raise ConfigError(conflict)
+    if mem.recompute != "none" and mem.blocks.strip():
+        parse_block_list(mem.blocks, _block_count(model, "memory.blocks"))
+    check_memory_config(mem, hybrid=hybrid, block_count=lambda: _block_count(model, "memory.policy"))
+    if (mem.budget.strip() or mem.policy.strip()) and not hybrid:
+        _block_count(model, "memory.budget / memory.policy")
+
+
+def _check_precision(cfg: Config, model: ModelFacts) -> Literal["fp32", "autocast", "stats"]:
+    """``precision.*`` against the device the run will have and the model's layer names."""
+    prec = cfg.precision
+    device = cfg.train.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    fp8_reason = ""
+    if prec.mode == "fp8-stats" and prec.fp8 == "real":
+        from kaisoku.precision.fp8 import fp8_support  # optional: only the fp8 path asks the device
+
+        fp8_reason = (
+            fp8_support(torch.device(device)) if device == "cpu" or torch.cuda.is_available() else "no CUDA"
+        )
+    conflict = mode_conflict(prec.mode, device, prec.fp8, fp8_reason)
+    if conflict:
+        raise ConfigError(conflict)
+    if prec.mode == "fp32":
+        return "fp32"
+    if not prec.mode.endswith("-stats"):
+        return "autocast"
+    stats_conflicts = [
+        (
+            cfg.memory.recompute != "none",
+            "memory.recompute (a recomputed forward would round with a moved exponent)",
+        ),
+        (cfg.train.compile != "off", "train.compile (the scalers keep Python state per call)"),
+    ]
+    for refused, setting in stats_conflicts:
+        if refused:
+            raise ConfigError(f"precision.mode {prec.mode} does not work with {setting}; turn it off")
+    keep_names(model.layer_names, prec.keep)  # a ConfigError listing the layers for an unknown name
+    return "stats"
+
+
+def replace(plan: RunPlan, **changes: Any) -> RunPlan:
+    """A copy of ``plan`` with ``changes`` (for tests and benchmarks that vary one derived value)."""
+    return dataclasses.replace(plan, **changes)

@@ -1,0 +1,172 @@
+"""A user's own model, dataset and loss (tests/user_files/user_net.py, not kaisoku's) trained on 2 ranks
+through ``kaisoku train``'s import paths and through ``kaisoku.fit``, with each feature, and resumed
+bit-identically after a rank is killed mid-run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kaisoku.engine.checkpoint import CheckpointManager
+from tests.train_harness import kill_and_collect, train_env, wait_for
+
+USER_FILES = Path(__file__).resolve().parents[1] / "user_files"
+STEPS = 8  # one epoch of 256 samples at a global batch of 32
+
+FEATURES: dict[str, list[str]] = {
+    "dp": [],
+    "pp2": ["--parallel.pp", "2", "--parallel.microbatches", "2"],
+    "budget": ["--memory.budget", "256KiB"],
+    "kfac": ["--optim.kfac.enabled", "true", "--optim.kfac.inv-update-steps", "2"],
+    "lars": ["--optim.name", "lars", "--sched.name", "arccot", "--train.label-smoothing", "0.1"],
+    "bf16": ["--precision.mode", "bf16"],
+}
+
+
+def _args(run_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "kaisoku", "train",
+        "--nproc", "2",
+        "--run-dir", str(run_dir),
+        "--model.name", "user_net:net",
+        "--data.dataset", "user_net:digits",
+        "--data.global-batch", "32",
+        "--data.workers", "0",
+        "--train.epochs", "1",
+        "--optim.lr", "0.05",
+        "--checkpoint.every-steps", "2",
+        "--train.log-every", "2",
+        "--metrics.progress", "false",
+        *extra,
+    ]  # fmt: skip
+
+
+def _final_state(run_dir: Path) -> dict:
+    newest = CheckpointManager(run_dir / "checkpoints", keep=3).latest_valid()
+    assert newest is not None
+    return newest[1]
+
+
+def _assert_same_weights(first: dict, second: dict) -> None:
+    assert first["step"] == second["step"] == STEPS
+    a, b = first["model"], second["model"]
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_user_model_trains_with_each_feature_and_resumes_exactly_after_a_kill(
+    tmp_path: Path, mnist_path: Path, feature: str
+) -> None:
+    env = train_env(USER_NET_MNIST=str(mnist_path))
+    extra = FEATURES[feature]
+    whole = subprocess.run(
+        _args(tmp_path / "whole", *extra),
+        cwd=USER_FILES,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert "val_accuracy" in whole.stdout
+    # The same run, a rank killed once the step-4 checkpoint exists (the data holds until then)...
+    held = tmp_path / "killed" / "checkpoints" / "step-00000004.pt"
+    proc = subprocess.Popen(
+        _args(tmp_path / "killed", *extra),
+        cwd=USER_FILES,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, "USER_NET_HOLD_AT": str(held)},
+    )
+    assert wait_for(held.exists, 240), "the step-4 checkpoint never appeared"
+    _, stderr = kill_and_collect(proc, rank=1)
+    assert proc.returncode != 0
+    assert "rank 1" in stderr, stderr[-2000:]
+    # ... then resumed: the same weights as the run that never stopped.
+    resumed = subprocess.run(
+        _args(tmp_path / "killed", *extra, "--resume", "auto"),
+        cwd=USER_FILES,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
+    _assert_same_weights(_final_state(tmp_path / "whole"), _final_state(tmp_path / "killed"))
+
+
+@pytest.mark.timeout(300)
+def test_user_loss_and_python_fit_on_two_ranks(tmp_path: Path, mnist_path: Path) -> None:
+    """``kaisoku.launch`` starts a user script on 2 ranks; ``kaisoku.fit`` trains the user's objects with the
+    user's loss, and the run equals the CLI run of the same parts."""
+    script = tmp_path / "train_script.py"
+    script.write_text(
+        "import sys\n"
+        "import kaisoku\n"
+        "from user_net import digits, net, smooth_loss\n\n"
+        "def main() -> None:\n"
+        "    cfg = kaisoku.Config(run_dir=sys.argv[1])\n"
+        "    cfg.data.global_batch, cfg.data.workers, cfg.train.epochs, cfg.optim.lr = 32, 0, 1, 0.05\n"
+        "    cfg.metrics.progress = False\n"
+        "    train, val = digits()\n"
+        "    summary = kaisoku.fit(cfg, model=net, data=train, val_data=val, loss=smooth_loss)\n"
+        "    print('fit steps', summary['steps'])\n\n"
+        "if __name__ == '__main__':\n"
+        "    kaisoku.launch(main, nproc=2)\n"
+    )
+    env = train_env(
+        USER_NET_MNIST=str(mnist_path),
+        PYTHONPATH=os.pathsep.join([str(USER_FILES), os.environ.get("PYTHONPATH", "")]),
+    )
+    python = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "python")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert python.returncode == 0, python.stderr[-3000:]
+    assert f"fit steps {STEPS}" in python.stdout
+    cli = subprocess.run(
+        [*_args(tmp_path / "cli", "--train.loss", "user_net:smooth_loss"), "--checkpoint.every-steps", "0"],
+        cwd=USER_FILES,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    _assert_same_weights(_final_state(tmp_path / "python"), _final_state(tmp_path / "cli"))
+
+
+def test_import_path_errors_are_one_line_before_launch(tmp_path: Path) -> None:
+    for flag, value, expected in [
+        ("--model.name", "user_net:nosuch", "model.name: user_net has no nosuch"),
+        ("--model.name", "no_such_module:net", "model.name: cannot import no_such_module"),
+        ("--data.dataset", "user_net:smooth_loss", "data.dataset: smooth_loss failed"),
+        ("--train.loss", "user_net", "train.loss: 'user_net' is not valid"),
+    ]:
+        result = subprocess.run(
+            [sys.executable, "-m", "kaisoku", "train", "--run-dir", str(tmp_path / "run"), flag, value],
+            cwd=USER_FILES,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=train_env(USER_NET_MNIST="/nonexistent"),
+        )
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0], result.stderr
+        assert not (tmp_path / "run").exists()
