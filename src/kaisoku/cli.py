@@ -289,7 +289,7 @@ def cmd_inspect(argv: Sequence[str]) -> int:
     print(report.text)
     if report.problems:
         raise KaisokuError(
-            f"{args.path}: {len(report.problems)} verification problems, first: {report.problems[0]}"
+            f"{args.path}: {report.count:,} verification problems, first: {report.problems[0]}"
         )
     return 0
 
