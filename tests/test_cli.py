@@ -60,3 +60,31 @@ def test_readme_gives_two_commands_and_ci_runs_the_test_one() -> None:
     assert "pytest" in tests
     ci = (ROOT / ".ci" / "run").read_text()
     assert tests in ci
+
+
+@pytest.mark.parametrize("args", [[], ["--help"], ["-h"]])
+def test_bare_kaisoku_and_help_list_every_command_with_one_line(args: list[str]) -> None:
+    from kaisoku.cli import _COMMANDS
+
+    result = _kaisoku(*args)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    for name in _COMMANDS:
+        rows = [line for line in result.stdout.splitlines() if line.split()[:1] == [name]]
+        assert len(rows) == 1 and len(rows[0].split()) > 3, (name, result.stdout)
+    assert "--version" in result.stdout
+
+
+def test_version_prints_the_package_version() -> None:
+    from importlib.metadata import version
+
+    result = _kaisoku("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"kaisoku {version('kaisoku')}"
+
+
+def test_train_help_prints_help_texts_with_a_percent_sign_as_written() -> None:
+    result = _kaisoku("train", "--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())  # argparse wraps the help text
+    assert "about 0.5% relative error" in text
+    assert "{'" not in result.stdout  # a help text read as a %-format printed argparse's own dict
