@@ -47,19 +47,26 @@ def test_print_config_is_resolved_toml(tmp_path: Path) -> None:
     assert parsed["train"]["seed"] == 5  # the command line wins over the file
 
 
-def _readme_commands() -> list[str]:
-    lines = (ROOT / "README.md").read_text().splitlines()[:30]
-    return [line.strip() for line in lines if line.strip().startswith("python3.11 -m venv")]
+def _readme_blocks() -> list[list[str]]:
+    """The README's fenced blocks, each as its non-empty lines."""
+    parts = (ROOT / "README.md").read_text().split("```")
+    return [[line.strip() for line in block.splitlines()[1:] if line.strip()] for block in parts[1::2]]
 
 
 def test_readme_gives_two_commands_and_ci_runs_the_test_one() -> None:
-    commands = _readme_commands()
-    assert len(commands) == 2
-    train, tests = commands
-    assert train.endswith("kaisoku train")
+    first, cpu_wheels = _readme_blocks()[:2]
+    assert len(first) == 2
+    train, tests = first
+    assert train.startswith("python3.11 -m venv .venv") and train.endswith("kaisoku train")
     assert "pytest" in tests
     ci = (ROOT / ".ci" / "run").read_text()
     assert tests in ci
+    # The CPU-only line comes next: the same venv, torch and torchvision from PyTorch's CPU index. CI takes
+    # its wheels from its own index instead, so it does not run this line.
+    assert cpu_wheels == [
+        "python3.11 -m venv .venv && .venv/bin/pip install torch torchvision "
+        "--index-url https://download.pytorch.org/whl/cpu"
+    ]
 
 
 @pytest.mark.parametrize("args", [[], ["--help"], ["-h"]])
