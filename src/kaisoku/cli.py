@@ -7,6 +7,7 @@ import sys
 import typing
 from collections.abc import Sequence
 
+from kaisoku import __version__
 from kaisoku.config import (
     Config,
     apply_mapping,
@@ -349,8 +350,6 @@ _SUMMARIES = {
 
 def usage() -> str:
     """The text of ``kaisoku --help`` (and of a bare ``kaisoku``): each command with one line."""
-    from kaisoku import __version__
-
     width = max(len(name) for name in _COMMANDS)
     rows = "\n".join(f"  {name:<{width}}  {_SUMMARIES[name]}" for name in _COMMANDS)
     return (
@@ -368,8 +367,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(usage())
         sys.exit(0)
     if argv[0] in ("-V", "--version"):
-        from kaisoku import __version__
-
         print(f"kaisoku {__version__}")
         sys.exit(0)
     command, rest = argv[0], argv[1:]
