@@ -47,16 +47,51 @@ def test_print_config_is_resolved_toml(tmp_path: Path) -> None:
     assert parsed["train"]["seed"] == 5  # the command line wins over the file
 
 
-def _readme_commands() -> list[str]:
-    lines = (ROOT / "README.md").read_text().splitlines()[:30]
-    return [line.strip() for line in lines if line.strip().startswith("python3.11 -m venv")]
+def _readme_blocks() -> list[list[str]]:
+    """The README's fenced blocks, each as its non-empty lines."""
+    parts = (ROOT / "README.md").read_text().split("```")
+    return [[line.strip() for line in block.splitlines()[1:] if line.strip()] for block in parts[1::2]]
 
 
 def test_readme_gives_two_commands_and_ci_runs_the_test_one() -> None:
-    commands = _readme_commands()
-    assert len(commands) == 2
-    train, tests = commands
-    assert train.endswith("kaisoku train")
+    first, cpu_wheels = _readme_blocks()[:2]
+    assert len(first) == 2
+    train, tests = first
+    assert train.startswith("python3.11 -m venv .venv") and train.endswith("kaisoku train")
     assert "pytest" in tests
     ci = (ROOT / ".ci" / "run").read_text()
     assert tests in ci
+    # The CPU-only line comes next: the same venv, torch and torchvision from PyTorch's CPU index. CI takes
+    # its wheels from its own index instead, so it does not run this line.
+    assert cpu_wheels == [
+        "python3.11 -m venv .venv && .venv/bin/pip install torch torchvision "
+        "--index-url https://download.pytorch.org/whl/cpu"
+    ]
+
+
+@pytest.mark.parametrize("args", [[], ["--help"], ["-h"]])
+def test_bare_kaisoku_and_help_list_every_command_with_one_line(args: list[str]) -> None:
+    from kaisoku.cli import _COMMANDS
+
+    result = _kaisoku(*args)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    for name in _COMMANDS:
+        rows = [line for line in result.stdout.splitlines() if line.split()[:1] == [name]]
+        assert len(rows) == 1 and len(rows[0].split()) > 3, (name, result.stdout)
+    assert "--version" in result.stdout
+
+
+def test_version_prints_the_package_version() -> None:
+    from importlib.metadata import version
+
+    result = _kaisoku("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"kaisoku {version('kaisoku')}"
+
+
+def test_train_help_prints_help_texts_with_a_percent_sign_as_written() -> None:
+    result = _kaisoku("train", "--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())  # argparse wraps the help text
+    assert "about 0.5% relative error" in text
+    assert "{'" not in result.stdout  # a help text read as a %-format printed argparse's own dict

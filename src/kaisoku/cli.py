@@ -1,4 +1,4 @@
-"""The ``kaisoku`` command: train, datagen, bench."""
+"""The ``kaisoku`` command: ``kaisoku COMMAND ...`` dispatched to one function per command."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 import typing
 from collections.abc import Sequence
 
+from kaisoku import __version__
 from kaisoku.config import (
     Config,
     apply_mapping,
@@ -80,7 +81,8 @@ def _train_parser() -> argparse.ArgumentParser:
             *flags,
             dest=f"cfg:{key}",
             metavar=_metavar(tp),
-            help=f"{doc} (default: {default})",
+            # argparse formats help with %: a literal one (as in "0.5%") must be doubled.
+            help=f"{doc} (default: {default})".replace("%", "%%"),
         )
     return parser
 
@@ -301,7 +303,7 @@ def cmd_inspect(argv: Sequence[str]) -> int:
     print(report.text)
     if report.problems:
         raise KaisokuError(
-            f"{args.path}: {len(report.problems)} verification problems, first: {report.problems[0]}"
+            f"{args.path}: {report.count:,} verification problems, first: {report.problems[0]}"
         )
     return 0
 
@@ -345,21 +347,46 @@ _COMMANDS = {
     "plan": cmd_plan,
 }
 
+_SUMMARIES = {
+    "train": "train a model (alone: the embedded default, a small ResNet on generated shapes)",
+    "pack": "pack an image folder or a .npz into checksummed shards with an index",
+    "inspect": "summarise a packed dataset; --verify checks every record's checksum",
+    "datagen": "write the generated shapes set (or CosmoFlow universes) to a folder",
+    "bench": "run a benchmark and record it (see benchmarks/README.md)",
+    "report": "write RUN_DIR/report.html: a run's plots, events, config and environment",
+    "probe": "measure a file system and this node's disk and RAM into a cluster profile",
+    "plan": "predict epoch time of each data strategy on a cluster and recommend one",
+}
+"""One line per command for ``kaisoku --help``."""
+
+
+def usage() -> str:
+    """The text of ``kaisoku --help`` (and of a bare ``kaisoku``): each command with one line."""
+    width = max(len(name) for name in _COMMANDS)
+    rows = "\n".join(f"  {name:<{width}}  {_SUMMARIES[name]}" for name in _COMMANDS)
+    return (
+        f"usage: kaisoku COMMAND [ARGS ...]\n\n"
+        f"kaisoku {__version__}: fast deep-learning training on PyTorch.\n\n"
+        f"commands:\n{rows}\n\n"
+        "kaisoku COMMAND --help lists a command's options; kaisoku --version prints the version."
+    )
+
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``kaisoku`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        if not argv:
-            argv = ["train"]
-        else:
-            print(
-                "usage: kaisoku {" + ",".join(_COMMANDS) + "} ...\n\nkaisoku train runs the embedded default."
-            )
-            sys.exit(0)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        sys.exit(0)
+    if argv[0] in ("-V", "--version"):
+        print(f"kaisoku {__version__}")
+        sys.exit(0)
     command, rest = argv[0], argv[1:]
     if command not in _COMMANDS:
-        print(f"kaisoku: unknown command '{command}'; choose one of: {', '.join(_COMMANDS)}", file=sys.stderr)
+        print(
+            f"kaisoku: unknown command '{command}'; choose one of: {', '.join(_COMMANDS)} (see kaisoku --help)",
+            file=sys.stderr,
+        )
         sys.exit(2)
     try:
         code = _COMMANDS[command](rest)

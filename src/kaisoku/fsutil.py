@@ -1,16 +1,23 @@
 """Atomic file writes: a temp file in the same directory, fsync, then rename.
 
 A reader never sees a half-written file, and a crash leaves either the old file or the new one.
+:func:`write_failure` turns the ways a destination refuses a write into one line saying what to do.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
+
+from kaisoku.errors import KaisokuError
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_REFUSED = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def fsync_dir(path: Path) -> None:
@@ -66,3 +73,23 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically."""
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def write_failure(error: OSError, destination: str | os.PathLike[str], what: str) -> KaisokuError | None:
+    """One line for a write into ``destination`` that failed because the destination is full, read-only,
+    immutable or not ours to write; None for any other error (a bug or a source problem: keep its traceback).
+
+    ``what``: what was being written, for the message ("the pack", "the run report").
+    """
+    if error.errno in _FULL:
+        return KaisokuError(
+            f"cannot write {what} to {destination}: no space left on its file system "
+            f"({error.strerror}); free some space or choose another destination"
+        )
+    if error.errno in _REFUSED:
+        why = "read-only file system" if error.errno == errno.EROFS else error.strerror
+        return KaisokuError(
+            f"cannot write {what} to {destination}: {why} (at {error.filename or destination}); "
+            "choose a writable destination or fix its permissions and attributes (chattr -i)"
+        )
+    return None

@@ -9,6 +9,7 @@ import pytest
 
 from kaisoku.data.cosmo import (
     VolumeTargetTransform,
+    ensure_cosmo_dataset,
     gaussian_field,
     generate_cosmo,
     make_universe,
@@ -95,3 +96,17 @@ def test_transform_applies_log1p_and_keyed_flips() -> None:
     flipped = [not np.array_equal(train(sample, index=i, epoch=0)[0], volume) for i in range(64)]
     assert any(flipped) and not all(flipped)  # each axis flipped with probability 1/2
     assert np.isclose(first.sum(), volume.sum())  # a flip moves voxels, never changes them
+
+
+def test_ensure_cosmo_dataset_says_what_and_where_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    packed = ensure_cosmo_dataset(tmp_path, count=4, size=8)
+    said = capsys.readouterr().out.splitlines()
+    assert (
+        len(said) == 1 and "generating the CosmoFlow demo set once (4 training universes of 4x8^3" in said[0]
+    )
+    assert f"into {packed.parent};" in said[0], said
+    assert (packed / "train" / "index.json").is_file()
+    assert ensure_cosmo_dataset(tmp_path, count=4, size=8) == packed
+    assert capsys.readouterr().out == ""

@@ -48,9 +48,15 @@ def test_refuses_non_empty_folder_and_tiny_count(tmp_path: Path) -> None:
         generate(tmp_path / "small", count=3, size=16)
 
 
-def test_ensure_demo_dataset_generates_once(tmp_path: Path) -> None:
+def test_ensure_demo_dataset_generates_once_saying_what_and_where_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     first = ensure_demo_dataset(tmp_path, count=20, size=16)
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 1 and "generating the demo dataset once (20 training images" in said[0], said
+    assert f"into {first};" in said[0] and "16 px" in said[0]
     stamp = (first / "manifest.json").stat().st_mtime_ns
     second = ensure_demo_dataset(tmp_path, count=20, size=16)
     assert first == second
     assert (second / "manifest.json").stat().st_mtime_ns == stamp
+    assert capsys.readouterr().out == ""  # reused: nothing said

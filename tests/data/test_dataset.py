@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kaisoku.data.dataset import ImageLabelTransform, ShardedDataset
+from kaisoku.data.folder import ShardedEvalSampler
 from kaisoku.data.format import read_index
 from kaisoku.data.records import CorruptRecordError
 from kaisoku.data.transforms import AugmentSpec, augment, collate, decode_image
@@ -190,6 +191,28 @@ def test_flipped_byte_skipped_and_counted(
     assert "shard-00001.kshard record 1" in caplog.text
     images, labels = collate(samples)
     assert len(labels) == len(files) - 1
+
+
+def test_a_validation_pass_in_worker_processes_can_count_its_skipped_records(
+    folder: tuple[Path, dict[str, bytes]],
+) -> None:
+    """Validation's loader, as training builds it (eval sampler, a worker process per rank): the damaged
+    record is skipped in the worker, and the rank counts it as its share of samples minus those seen."""
+    path, files = folder
+    _flip_byte(path, 1, 1)
+    dataset = ShardedDataset(
+        path, skip_corrupt=True, transform=ImageLabelTransform(spec=AugmentSpec(size=8), seed=0)
+    )
+    skipped = 0
+    for rank in range(2):
+        sampler = ShardedEvalSampler(len(dataset), batch_size=4, rank=rank, world_size=2)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=sampler, num_workers=1, collate_fn=collate
+        )
+        seen = sum(len(labels) for _, labels in loader)
+        skipped += sampler.num_samples - seen
+    assert skipped == 1
+    assert dataset.skipped == 0  # counted in the worker process only: the main process never sees it
 
 
 def test_truncated_shard(folder: tuple[Path, dict[str, bytes]]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -40,9 +41,10 @@ def test_inspect_verify_reports_each_damage(packed: Path) -> None:
     assert f"shard-00000.kshard: record {damaged} (sample {damaged}," in joined
     assert "checksum mismatch" in joined
     last = index.shards[1].samples - 1
-    assert f"shard-00001.kshard: record {last} " in joined and "cut off" in joined
+    assert f"the index says {index.shards[1].nbytes} (truncated): records {last}..{last} " in joined
     assert "shard-00002.kshard: missing" in joined
-    assert "FAILED" in report.text
+    assert report.count == len(report.problems) == 3
+    assert "verify    FAILED: 3 problems" in report.text
     with pytest.raises(KaisokuError, match="verification problems"):
         inspect_summary(packed, verify=True)
     # Without verify, the summary reads the index only.
@@ -64,3 +66,31 @@ def test_verify_checks_the_tables_crc(packed: Path) -> None:
     tables.write_bytes(bytes(data))
     report = inspect_dataset(packed, verify=True)
     assert any(TABLES_NAME in p and "CRC32" in p for p in report.problems)
+
+
+def test_verify_of_a_truncated_shard_counts_what_it_lists(tmp_path: Path) -> None:
+    """A shard cut to a third, plus 14 flipped records in another: the FAILED count is the problems listed."""
+    pack_records(
+        ({"v": i, "s": "x" * 50} for i in range(400)), tmp_path / "d", progress=False, shard_bytes=8000
+    )
+    index = read_index(tmp_path / "d")
+    cut = index.shard_path(0)
+    cut.write_bytes(cut.read_bytes()[: index.shards[0].nbytes // 3])
+    flipped = index.shard_path(1)
+    data = bytearray(flipped.read_bytes())
+    for record in range(14):
+        data[int(index.shards[1].offsets[record]) + 3] ^= 0x01
+    flipped.write_bytes(bytes(data))
+    report = inspect_dataset(tmp_path / "d", verify=True)
+    lines = report.text.splitlines()
+    failed = next(i for i, line in enumerate(lines) if line.startswith("verify    FAILED"))
+    listed = [line.strip() for line in lines[failed + 1 :]]
+    # One line for the cut shard, 10 records, then one line standing for the other 4.
+    assert len(listed) == 12 and listed[-1].endswith("4 more records with a checksum mismatch (not listed)")
+    assert "(truncated): records " in listed[0] and "cut off" in listed[0]
+    assert report.count == 1 + 10 + 4
+    assert f"verify    FAILED: {report.count} problems" in report.text
+    with pytest.raises(
+        KaisokuError, match=f"^{re.escape(str(tmp_path / 'd'))}: 15 verification problems, first: .*truncated"
+    ):
+        inspect_summary(tmp_path / "d", verify=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ from kaisoku.data.records import RecordCodec, record_view
 from kaisoku.data.tables import TABLES_NAME
 from kaisoku.data.writer import pack, pack_records, plan_shards
 from kaisoku.errors import KaisokuError
+from tests.fs_harness import REFUSALS, refusing_folder
 
 CLASSES = ("cat", "dog", "emu")
 
@@ -290,3 +293,20 @@ def test_tree_without_class_folders_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "src" / "a.jpg").write_bytes(simplejpeg.encode_jpeg(image_array(0)))
     with pytest.raises(KaisokuError, match="no class folders"):
         pack(tmp_path / "src", tmp_path / "dst", workers=0, progress=False)
+
+
+@pytest.mark.parametrize("kind", REFUSALS)
+def test_pack_into_a_full_read_only_or_immutable_destination_is_one_line(tmp_path: Path, kind: str) -> None:
+    make_image_folder(tmp_path / "src", per_class=12)
+    with refusing_folder(tmp_path / "mnt", kind) as dest:
+        result = subprocess.run(
+            [sys.executable, "-m", "kaisoku", "pack", str(tmp_path / "src"), str(dest), "--shard-size", "8KiB"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 1 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+        assert lines[0].startswith(f"kaisoku: error: cannot write the pack to {dest}: "), lines
+        reason = {"full": "no space left", "read-only": "read-only file system", "immutable": "not permitted"}
+        assert reason[kind] in lines[0], lines
+        left = [p.name for p in dest.rglob("*") if p.is_file()] if dest.exists() else []
+        assert left == []  # no shard, temp file or index left behind

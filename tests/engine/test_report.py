@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import base64
+import datetime
 import io
 import json
+import shutil
+import subprocess
+import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -13,6 +17,7 @@ from PIL import Image
 
 from kaisoku.cli import main
 from kaisoku.engine.report import finish_line, write_report
+from tests.fs_harness import refusing_folder
 
 
 class _Images(HTMLParser):
@@ -91,11 +96,47 @@ def test_kaisoku_report_command_and_the_final_line(
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"wrote {run_dir / 'report.html'}"
     line = finish_line({"steps": 6, "val_accuracy": 0.5, "skipped_records": 3.0}, run_dir)
-    assert (
-        line
-        == f"kaisoku: done at step 6; val accuracy 50.00%; 3 records skipped; report {run_dir / 'report.html'}"
+    assert line == (
+        f"kaisoku: done at step 6; val accuracy 50.00%; 3 records skipped; "
+        f"run folder {run_dir} (metrics.jsonl); report {run_dir / 'report.html'}"
     )
+    line = finish_line({"steps": 6, "skipped_records": 2.0, "val_skipped_records": 1}, run_dir)
+    assert "; 3 records skipped (1 in validation); " in line
     with pytest.raises(SystemExit) as exit_info:
         main(["report", str(tmp_path / "nothing")])
     assert exit_info.value.code == 1
     assert "holds no kaisoku run" in capsys.readouterr().err
+
+
+def test_status_times_are_local_date_times(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _crashed_run(run_dir)
+    started = 1_700_000_000.0
+    (run_dir / "run.json").write_text(
+        json.dumps({"status": "failed", "started": started, "ended": started + 90})
+    )
+    text = write_report(run_dir).read_text()
+    shown = datetime.datetime.fromtimestamp(started).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+    assert f"<th>started</th><td>{shown}</td>" in text
+    assert "<th>duration</th><td>90.0 s</td>" in text
+    assert "1700000000" not in text
+
+
+def test_the_report_on_a_nearly_full_disk_is_one_line_and_leaves_no_truncated_png(tmp_path: Path) -> None:
+    with refusing_folder(tmp_path / "mnt", "full") as run_dir:
+        _crashed_run(run_dir)
+        free = shutil.disk_usage(run_dir).free
+        (run_dir.parent / "filler").write_bytes(b"x" * max(0, free - 12 * 1024))  # room for a PNG or two
+        result = subprocess.run(
+            [sys.executable, "-m", "kaisoku", "report", str(run_dir)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 1 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+        assert lines[0].startswith(f"kaisoku: error: cannot write the run report to {run_dir}: no space left")
+        for png in (run_dir / "report").glob("*"):
+            assert png.suffix == ".png", png  # no temp file left
+            Image.open(png).verify()  # every PNG there is whole
+        assert not (run_dir / "report.html").exists()

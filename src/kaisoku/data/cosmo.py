@@ -32,6 +32,7 @@ import torch
 from kaisoku.data.transforms import KeyedRandom
 from kaisoku.errors import KaisokuError
 from kaisoku.fsutil import atomic_write_text
+from kaisoku.units import format_bytes
 
 PARAMETERS: dict[str, tuple[float, float]] = {
     "sigma": (0.6, 1.2),
@@ -281,6 +282,11 @@ def _log1p_table() -> np.ndarray:
         return np.log1p(values)
 
 
+def _volume_bytes(count: int, size: int) -> int:
+    """Bytes of the demo set's int16 volumes, training and validation (the default eighth): its raw .npz."""
+    return (count + max(16, count // 8)) * 4 * size**3 * 2
+
+
 def ensure_cosmo_dataset(
     cache_dir: str | os.PathLike[str],
     *,
@@ -302,6 +308,12 @@ def ensure_cosmo_dataset(
     packed = root / f"packed-{codec.replace('@', '-')}"
     with _locked(cache / ".datagen.lock"):
         if not (packed / "train" / "index.json").is_file():
+            print(
+                f"kaisoku: generating the CosmoFlow demo set once ({count:,} training universes of "
+                f"4x{size}^3: {format_bytes(_volume_bytes(count, size))} of volumes, then packed) "
+                f"into {root}; later runs reuse it",
+                flush=True,
+            )
             if not (root / "raw" / NPZ_NAME).is_file():
                 shutil.rmtree(root / "raw", ignore_errors=True)
                 generate_cosmo(root / "raw", count=count, size=size, seed=seed)

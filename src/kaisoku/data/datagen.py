@@ -197,12 +197,20 @@ def _locked(path: Path) -> Iterator[None]:
 def ensure_demo_dataset(
     cache_dir: str | os.PathLike[str], *, count: int = 8000, size: int = 40, seed: int = 0
 ) -> Path:
-    """The demo dataset under ``cache_dir``, generated on first use; safe when several ranks ask at once."""
+    """The demo dataset under ``cache_dir``, generated on first use; safe when several ranks ask at once.
+
+    Generating says what and where in one line first (it takes seconds; later runs reuse the set).
+    """
     cache = Path(cache_dir).expanduser()
     root = cache / f"shapes-v{GENERATOR_VERSION}-{count}-{size}px-seed{seed}"
     with _locked(cache / ".datagen.lock"):
         if not (root / _MANIFEST).exists():
             if root.exists():
                 shutil.rmtree(root)
+            print(
+                f"kaisoku: generating the demo dataset once ({count:,} training images of {len(CLASSES)} "
+                f"shapes, {size} px, as JPEG folders) into {root}; later runs reuse it",
+                flush=True,
+            )
             generate(root, count=count, size=size, seed=seed)
     return root

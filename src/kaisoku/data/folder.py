@@ -244,7 +244,14 @@ class ShardedEvalSampler:
         self.indices = np.arange(rank, num_samples, world_size)
         self.batch_size = batch_size
 
+    @property
+    def num_samples(self) -> int:
+        """Samples this rank validates on: a validation pass that saw fewer skipped the difference as
+        damaged records (``data.skip_corrupt``), which is how validation counts its skips."""
+        return len(self.indices)
+
     def __len__(self) -> int:
+        """Batches this rank validates on."""
         return (len(self.indices) + self.batch_size - 1) // self.batch_size
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:

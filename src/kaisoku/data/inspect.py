@@ -18,13 +18,17 @@ from kaisoku.units import format_bytes
 
 @dataclass(kw_only=True)
 class InspectReport:
-    """What ``kaisoku inspect`` found: printable text and the list of problems (empty when sound)."""
+    """What ``kaisoku inspect`` found: printable text and the problems (none when sound)."""
 
     text: str
     """The summary, several lines, ready to print."""
 
     problems: list[str]
-    """One line per damaged file or record (verification only)."""
+    """The listed problems, one line per damaged file or record (verification only)."""
+
+    count: int = 0
+    """Every problem found: the listed ones and the damaged records past each shard's listing limit (the
+    number the text's ``FAILED`` line gives)."""
 
     @property
     def ok(self) -> bool:
@@ -35,33 +39,42 @@ class InspectReport:
 _MAX_RECORD_PROBLEMS = 10
 
 
-def verify_shard(index: Index, shard_id: int, buffer: Any) -> list[str]:
-    """Problems of one shard's bytes against the index: size, every record CRC32, the file CRC32."""
+def verify_shard(index: Index, shard_id: int, buffer: Any) -> tuple[list[str], int]:
+    """Problems of one shard's bytes against the index: its size, every record's CRC32, the file's CRC32.
+
+    Returns the listed problems and how many damaged records were found beyond them (listing stops at
+    10 records a shard). A shorter file is one problem that names the records it cuts off.
+    """
     shard = index.shards[shard_id]
     path = index.root / shard.file
     first_sample = int(index.shard_starts()[shard_id])
     view = memoryview(buffer)
     problems: list[str] = []
-    if len(view) != shard.nbytes:
-        problems.append(f"{path}: {len(view)} bytes, the index says {shard.nbytes} (truncated or replaced)")
+    readable = shard.samples  # records that end inside the file
+    if len(view) < shard.nbytes:
+        readable = int(np.searchsorted(shard.offsets[1:], len(view), side="right"))
+        last = shard.samples - 1
+        problems.append(
+            f"{path}: {len(view)} bytes, the index says {shard.nbytes} (truncated): records {readable}..{last} "
+            f"(samples {first_sample + readable}..{first_sample + last}) cut off"
+        )
+    elif len(view) > shard.nbytes:
+        problems.append(f"{path}: {len(view)} bytes, the index says {shard.nbytes} (replaced or appended to)")
     bad = 0
-    for record in range(shard.samples):
+    for record in range(readable):
         try:
             record_view(index, view, shard_id, record, verify=True)
         except CorruptRecordError:
             bad += 1
             if bad <= _MAX_RECORD_PROBLEMS:
                 start, end = int(shard.offsets[record]), int(shard.offsets[record + 1])
-                reason = "cut off" if end > len(view) else "checksum mismatch"
                 problems.append(
                     f"{path}: record {record} (sample {first_sample + record}, "
-                    f"bytes {start}..{end}): {reason}"
+                    f"bytes {start}..{end}): checksum mismatch"
                 )
-    if bad > _MAX_RECORD_PROBLEMS:
-        problems.append(f"{path}: {bad - _MAX_RECORD_PROBLEMS} more damaged records")
     if not problems and zlib.crc32(view) != shard.crc32:
         problems.append(f"{path}: whole-file checksum mismatch although every record passed")
-    return problems
+    return problems, max(0, bad - _MAX_RECORD_PROBLEMS)
 
 
 def _open_for_verify(path: Path) -> Any:
@@ -122,6 +135,7 @@ def inspect_dataset(path: str | Path, verify: bool = False) -> InspectReport:
     targets = [path] if (path.is_file() or (path / INDEX_NAME).is_file()) else split_dirs(path) or [path]
     lines: list[str] = []
     problems: list[str] = []
+    count = 0
     for target in targets:
         index = read_index(target)
         if lines:
@@ -130,6 +144,7 @@ def inspect_dataset(path: str | Path, verify: bool = False) -> InspectReport:
         if not verify:
             continue
         found: list[str] = []
+        unlisted = 0  # damaged records past each shard's listing limit
         if index.tables is not None:
             crc, stored = tables_crc(index.root, index.tables), int(index.tables["crc32"])
             if crc != stored:
@@ -148,24 +163,28 @@ def inspect_dataset(path: str | Path, verify: bool = False) -> InspectReport:
                 found.append(f"{shard_path}: unreadable: {error.strerror or error}")
                 continue
             try:
-                found.extend(verify_shard(index, shard_id, buffer))
+                listed, more = verify_shard(index, shard_id, buffer)
             finally:
                 if hasattr(buffer, "close"):
                     buffer.close()
+            found.extend(listed)
+            if more:
+                found.append(f"{shard_path}: {more} more records with a checksum mismatch (not listed)")
+                unlisted += more - 1  # the line above stands for ``more`` problems
         if found:
-            lines.append(f"verify    FAILED: {len(found)} problems")
+            total = len(found) + unlisted
+            lines.append(f"verify    FAILED: {total:,} problem{'' if total == 1 else 's'}")
             lines.extend(f"  {line}" for line in found)
         else:
             lines.append(f"verify    ok: {len(index.shards):,} shards, {index.num_samples:,} records checked")
         problems.extend(found)
-    return InspectReport(text="\n".join(lines), problems=problems)
+        count += len(found) + unlisted
+    return InspectReport(text="\n".join(lines), problems=problems, count=count)
 
 
 def inspect_summary(path: str | Path, verify: bool = False) -> str:
     """The printable summary of :func:`inspect_dataset`; raises :class:`KaisokuError` on any problem."""
     report = inspect_dataset(path, verify=verify)
     if report.problems:
-        raise KaisokuError(
-            f"{path}: {len(report.problems)} verification problems, first: {report.problems[0]}"
-        )
+        raise KaisokuError(f"{path}: {report.count:,} verification problems, first: {report.problems[0]}")
     return report.text

@@ -43,7 +43,9 @@ from kaisoku.data.sources import (
     read_image,
     scan_image_tree,
 )
+from kaisoku.data.tables import TABLES_NAME
 from kaisoku.errors import KaisokuError
+from kaisoku.fsutil import write_failure
 from kaisoku.units import parse_bytes
 
 DEFAULT_SHARD_BYTES = 64 * 1024**2
@@ -296,7 +298,13 @@ def _finish(
         pack=dict(pack_args),
         skipped=tuple(skipped),
     )
-    index = index.write(directory)
+    try:
+        index = index.write(directory)
+    except BaseException:
+        # No index landed (a full disk, say): the shards and the tables are this pack's orphans.
+        _remove_stale_shards(directory, keep=set())
+        (directory / TABLES_NAME).unlink(missing_ok=True)
+        raise
     _remove_stale_shards(directory, {shard.file for shard in shards})
     return index
 
@@ -562,37 +570,53 @@ def pack(
     ``verify_images``: decode-check every image while packing.
     """
     shard_bytes = parse_bytes(shard_bytes)
-    if isinstance(source, str | os.PathLike):
-        path = Path(source)
-        if path.is_dir():
-            return pack_image_folder(
-                path,
-                dst,
-                shard_bytes=shard_bytes,
-                codec=codec,
-                workers=workers,
-                overwrite=overwrite,
-                progress=progress,
-                shuffle=shuffle,
-                seed=seed,
-                skip_corrupt=skip_corrupt,
-                verify_images=verify_images,
-            )
-        if path.suffix == ".npz" and path.is_file():
-            return pack_npz(
-                path,
-                dst,
-                shard_bytes=shard_bytes,
-                codec=codec,
-                workers=workers,
-                overwrite=overwrite,
-                progress=progress,
-                shuffle=shuffle,
-                seed=seed,
-            )
-        if not path.exists():
-            raise KaisokuError(f"source {path} does not exist")
-        raise KaisokuError(f"source {path} is neither an ImageFolder directory nor a .npz file")
-    return pack_records(
-        source, dst, shard_bytes=shard_bytes, codec=codec, overwrite=overwrite, progress=progress
-    )
+    try:
+        if isinstance(source, str | os.PathLike):
+            path = Path(source)
+            if path.is_dir():
+                return pack_image_folder(
+                    path,
+                    dst,
+                    shard_bytes=shard_bytes,
+                    codec=codec,
+                    workers=workers,
+                    overwrite=overwrite,
+                    progress=progress,
+                    shuffle=shuffle,
+                    seed=seed,
+                    skip_corrupt=skip_corrupt,
+                    verify_images=verify_images,
+                )
+            if path.suffix == ".npz" and path.is_file():
+                return pack_npz(
+                    path,
+                    dst,
+                    shard_bytes=shard_bytes,
+                    codec=codec,
+                    workers=workers,
+                    overwrite=overwrite,
+                    progress=progress,
+                    shuffle=shuffle,
+                    seed=seed,
+                )
+            if not path.exists():
+                raise KaisokuError(f"source {path} does not exist")
+            raise KaisokuError(f"source {path} is neither an ImageFolder directory nor a .npz file")
+        return pack_records(
+            source, dst, shard_bytes=shard_bytes, codec=codec, overwrite=overwrite, progress=progress
+        )
+    except OSError as error:  # a full, read-only or immutable destination: one line, not a traceback
+        failure = _destination_failure(error, Path(dst))
+        if failure is None:
+            raise
+        raise failure from None
+
+
+def _destination_failure(error: OSError, dst: Path) -> KaisokuError | None:
+    """The one-line error of a write into ``dst`` refused for lack of space, a read-only file system, an
+    immutable folder or permissions; None for anything else (such as an unreadable source file)."""
+    if error.filename is not None:
+        target, failed = dst.absolute(), Path(os.fsdecode(error.filename)).absolute()
+        if failed != target and target not in failed.parents and failed not in target.parents:
+            return None  # neither the destination, a folder in it, nor one it is created in
+    return write_failure(error, dst, "the pack")

@@ -1,23 +1,29 @@
 """``kaisoku report RUN_DIR``: one self-contained HTML page of a run, from its files alone.
 
 It reads ``metrics.jsonl`` (tolerating a torn last line, as a crashed run leaves), ``config.toml`` and
-``run.json``, draws each series with matplotlib (the ``plot`` extra, imported only here) into
-``RUN_DIR/report/*.png`` and embeds them in ``RUN_DIR/report.html`` as data URIs, so the page is one
-file to copy or mail.
+``run.json``, draws each series with matplotlib into ``RUN_DIR/report/*.png`` and embeds them in
+``RUN_DIR/report.html`` as data URIs, so the page is one file to copy or mail. Every file is written
+atomically: a full disk leaves no truncated PNG, and it is one line (:func:`kaisoku.fsutil.write_failure`).
+Times are shown in local date-time.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import datetime
 import html
+import io
 import json
+import logging
 import math
 import platform
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from kaisoku.errors import KaisokuError
-from kaisoku.fsutil import atomic_write_text
+from kaisoku.fsutil import atomic_write_bytes, atomic_write_text, write_failure
 
 #: (title, y label, metrics key) of each plot over steps.
 SERIES: tuple[tuple[str, str, str], ...] = (
@@ -32,8 +38,7 @@ SERIES: tuple[tuple[str, str, str], ...] = (
     ("Skipped records per epoch", "records", "skipped_records"),
 )
 _NOT_EVENTS = {"validation", "epoch"}  # logged as events, shown as series instead
-
-INSTALL_HINT = "the run report needs matplotlib; pip install 'kaisoku[plot]'"
+_TIME_KEYS = ("started", "ended", "time")  # run.json's Unix times, shown as local date-time
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -63,11 +68,27 @@ def series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[f
     return steps, values
 
 
-def _plot(path: Path, title: str, ylabel: str, xs: list[float], ys: list[float]) -> None:
-    import matplotlib
+@contextlib.contextmanager
+def _quiet_matplotlib() -> Iterator[None]:
+    """Hold back matplotlib's warnings while it loads (the font cache it builds on a first run, a cache
+    folder it cannot write): the report is written either way, and a run's last lines stay its own."""
+    logger = logging.getLogger("matplotlib")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
+
+def _plot(title: str, ylabel: str, xs: list[float], ys: list[float]) -> bytes:
+    """One series drawn as a PNG, returned as bytes."""
+    # Imported here for start-up time: every kaisoku command imports this module, few draw.
+    with _quiet_matplotlib():
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5.5, 3.2), dpi=90)
     ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3)
@@ -76,8 +97,35 @@ def _plot(path: Path, title: str, ylabel: str, xs: list[float], ys: list[float])
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, format="png")
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
     plt.close(fig)
+    return buffer.getvalue()
+
+
+def local_time(value: object) -> str:
+    """A Unix time (run.json) or an ISO 8601 time with its zone (metrics.jsonl) as local date-time,
+    ``2025-01-31 14:05:09 CET``; anything else as it is."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        moment = datetime.datetime.fromtimestamp(float(value)).astimezone()
+    elif isinstance(value, str):
+        try:
+            moment = datetime.datetime.fromisoformat(value).astimezone()
+        except ValueError:
+            return value
+    else:
+        return str(value)
+    return moment.strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
+def _status_rows(status: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = [
+        (str(k), local_time(v) if k in _TIME_KEYS and v is not None else str(v)) for k, v in status.items()
+    ]
+    started, ended = status.get("started"), status.get("ended")
+    if isinstance(started, (int, float)) and isinstance(ended, (int, float)):
+        rows.append(("duration", f"{ended - started:.1f} s"))
+    return rows
 
 
 def _table(rows: list[tuple[str, str]]) -> str:
@@ -103,31 +151,37 @@ def _environment(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
 def write_report(run_dir: Path) -> Path:
     """Write ``RUN_DIR/report.html`` (and its PNGs under ``RUN_DIR/report/``); its path.
 
-    KaisokuError when the folder holds no run or matplotlib is missing.
+    KaisokuError, one line, when the folder holds no run or the report cannot be written there (a full
+    disk, a read-only folder); every file written is whole (temp file, fsync, rename).
     """
     run_dir = Path(run_dir).expanduser()
     if not (run_dir / "metrics.jsonl").exists() and not (run_dir / "config.toml").exists():
         raise KaisokuError(f"{run_dir} holds no kaisoku run (no metrics.jsonl or config.toml)")
     try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise KaisokuError(INSTALL_HINT) from None
+        return _write_report(run_dir)
+    except OSError as error:
+        failure = write_failure(error, run_dir, "the run report")
+        if failure is None:
+            raise
+        raise failure from None
+
+
+def _write_report(run_dir: Path) -> Path:
     records = read_metrics(run_dir)
     figures = run_dir / "report"
-    figures.mkdir(parents=True, exist_ok=True)
     images = []
     for title, ylabel, key in SERIES:
         xs, ys = series(records, key)
         if not xs:
             continue
-        png = figures / f"{key}.png"
-        _plot(png, title, ylabel, xs, ys)
-        data = base64.b64encode(png.read_bytes()).decode("ascii")
+        png = _plot(title, ylabel, xs, ys)
+        atomic_write_bytes(figures / f"{key}.png", png)
+        data = base64.b64encode(png).decode("ascii")
         images.append(f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{data}"></figure>')
     events = [r for r in records if "event" in r and r["event"] not in _NOT_EVENTS]
     event_rows = [
         (
-            str(r.get("time", "")),
+            local_time(r.get("time", "")),
             ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("time", "elapsed_s")),
         )
         for r in events
@@ -139,7 +193,7 @@ def write_report(run_dir: Path) -> Path:
         except ValueError:
             status = {}
     config = (run_dir / "config.toml").read_text() if (run_dir / "config.toml").exists() else "(none)"
-    status_rows = [(str(k), str(v)) for k, v in status.items()]
+    status_rows = _status_rows(status)
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>kaisoku run {html.escape(run_dir.name)}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1200px}}figure{{display:inline-block;margin:.3em}}
@@ -160,26 +214,36 @@ pre{{background:#f6f6f6;padding:1em;overflow:auto}}</style></head><body>
 
 
 def finish_line(summary: dict[str, Any], run_dir: Path) -> str:
-    """The last line of a finished run: steps, accuracy, skipped records, and the report's path (after a
-    one-line data hint where :func:`data_hint` has one).
+    """The last line of a finished run: steps, accuracy, skipped records, the run folder and the report's
+    path (after a one-line data hint where :func:`data_hint` has one).
 
-    The report is written here; without matplotlib the line says how to get it.
+    The report is written here; where it cannot be, the line says why instead of naming it.
     """
     parts = [f"kaisoku: done at step {summary.get('steps')}"]
     if "val_accuracy" in summary:
         parts.append(f"val accuracy {100 * summary['val_accuracy']:.2f}%")
-    skipped = int(summary.get("skipped_records", 0))
-    parts.append(f"{skipped} record{'' if skipped == 1 else 's'} skipped")
+    parts.append(
+        _skipped_text(int(summary.get("skipped_records", 0)), int(summary.get("val_skipped_records", 0)))
+    )
     if summary.get("skipped_steps"):
         parts.append(f"{summary['skipped_steps']} non-finite steps skipped")
     if summary.get("rollbacks"):
         parts.append(f"{summary['rollbacks']} rollbacks")
+    held = [name for name in ("metrics.jsonl", "checkpoints/", "logs/") if (run_dir / name).exists()]
+    parts.append(f"run folder {run_dir}" + (f" ({', '.join(held)})" if held else ""))
     try:
         parts.append(f"report {write_report(run_dir)}")
     except KaisokuError as error:
-        parts.append(str(error))
+        parts.append(f"no report: {error}")
     hint = data_hint(run_dir)  # its own line, before the finish line (which stays last)
     return (f"{hint}\n" if hint else "") + "; ".join(parts)
+
+
+def _skipped_text(train: int, validation: int) -> str:
+    """``N records skipped``, with the validation share said where validation skipped any."""
+    total = train + validation
+    text = f"{total} record{'' if total == 1 else 's'} skipped"
+    return f"{text} ({validation} in validation)" if validation else text
 
 
 def data_hint(run_dir: Path, mounts_file: str = "/proc/self/mounts") -> str | None:
