@@ -10,7 +10,7 @@ import pytest
 from kaisoku import config as c
 from kaisoku.errors import ConfigError
 from kaisoku.presets import PRESETS, get_preset
-from kaisoku.run_plan import check_config
+from kaisoku.run_facts import check_config
 
 
 def test_every_field_has_help_text() -> None:

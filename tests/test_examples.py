@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,3 +28,43 @@ def test_large_batch_example_prints_a_line_per_step() -> None:
     ]
     assert all(", lr " in line and line.endswith(" s") for line in steps)
     assert lines[-1].startswith("done: 6 steps in ")
+
+
+def _readme_block(heading: str) -> str:
+    """The first ```python block under ``heading`` in the README."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index(heading) :]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start : section.index("```", start)]
+
+
+@pytest.mark.timeout(300)
+def test_readme_own_model_example_runs_on_two_ranks(tmp_path: Path) -> None:
+    script = tmp_path / "mine.py"
+    script.write_text(_readme_block("## Train your own model"))
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=280,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "kaisoku: done at step 28;" in result.stdout
+    assert (tmp_path / "runs" / "mine" / "checkpoints" / "step-00000028.pt").is_file()
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    ("args", "done"),
+    [
+        (["--model", "transformer", "--max-steps", "3", "--", "--parallel.pp", "2"], "transformer: 3 steps"),
+        (["--model", "resnet18", "--nproc", "1", "--max-steps", "2"], "resnet18: 2 steps"),
+    ],
+)
+def test_own_model_example_trains_a_transformer_pipeline_and_a_torchvision_resnet(
+    tmp_path: Path, args: list[str], done: str
+) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "own_model.py"), "--run-dir", str(tmp_path / "run"), *args],
+        cwd=tmp_path, capture_output=True, text=True, timeout=380, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert done in result.stdout

@@ -19,15 +19,8 @@ from kaisoku.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from kaisoku.data.writer import pack
 from kaisoku.errors import ConfigError
 from kaisoku.parts import ModelSpec, UserParts
-from kaisoku.run_plan import (
-    DataFacts,
-    WorldShape,
-    check_config,
-    describe_data,
-    describe_model,
-    plan_run,
-    resolve,
-)
+from kaisoku.run_facts import check_config, describe_data, describe_model, plan_run
+from kaisoku.run_plan import DataFacts, WorldShape, resolve
 
 IMAGES = DataFacts(
     source="packed", num_classes=10, num_samples=1000, has_val=True, root="/d", description="d"

@@ -14,11 +14,6 @@ from tests.train_harness import metric_lines, train_args, train_env
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs Trainer.validate to count the rank's ShardedEvalSampler.num_samples minus the samples "
-    "seen, all-reduced, as val_skipped_records (engine/trainer.py)",
-)
 def test_a_damaged_validation_record_is_skipped_and_counted(tmp_path: Path) -> None:
     images = generate(tmp_path / "shapes", count=160, size=20, val_count=20, workers=1)
     pack(images, tmp_path / "packed", shard_bytes=20 * 1024, codec="raw", workers=1, progress=False)

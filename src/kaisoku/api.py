@@ -29,7 +29,8 @@ from kaisoku.engine.build import user_parts
 from kaisoku.engine.run import run_training
 from kaisoku.errors import KaisokuError
 from kaisoku.parts import LossFn, ModelSource, UserParts
-from kaisoku.run_plan import WorldShape, plan_run
+from kaisoku.run_facts import plan_run
+from kaisoku.run_plan import WorldShape
 
 
 def fit(
@@ -49,13 +50,19 @@ def fit(
     cross-entropy for integer targets, else mean squared error. Returns the run's summary (on every rank).
 
     Under torchrun or srun every rank calls it; elsewhere it trains on this one process (see :func:`launch`
-    for several local ranks). A known failure prints one line and exits with its code, as ``kaisoku train``.
+    for several local ranks). Settings that cannot work, and any known failure, print one line and exit with
+    its code, as ``kaisoku train`` does.
     """
     cfg = config if config is not None else Config()
-    validate(cfg)
-    parts = user_parts(cfg, UserParts(model=model, train_data=data, val_data=val_data, loss=loss))
     world = world_from_env()
-    plan_run(cfg, WorldShape(world.world_size, world.local_world_size), parts)  # refuse before training
+    try:
+        validate(cfg)
+        parts = user_parts(cfg, UserParts(model=model, train_data=data, val_data=val_data, loss=loss))
+        plan_run(cfg, WorldShape(world.world_size, world.local_world_size), parts)  # refuse before training
+    except KaisokuError as error:
+        if world.is_main:  # every rank refuses alike; one says so
+            print(f"kaisoku: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(error.exit_code) from None
     return run_training(cfg, parts=parts)
 
 

@@ -125,7 +125,7 @@ def cmd_train(argv: Sequence[str]) -> int:
     # start-up: the engine and the planner import torch's model and optimizer stacks, which --help skips
     from kaisoku.engine.build import user_parts
     from kaisoku.engine.run import run_training, train_on_local_ranks
-    from kaisoku.run_plan import plan_run, planned_world
+    from kaisoku.run_facts import plan_run, planned_world
 
     # Everything that can be known before launch is refused here, before any rank or run folder exists.
     plan = plan_run(cfg, planned_world(cfg.dist.nproc), user_parts(cfg))

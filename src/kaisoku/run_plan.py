@@ -1,10 +1,10 @@
 """The run plan: a config resolved on a world, every derived value computed once, every cross-section check.
 
 ``kaisoku train`` reads a config (each section checks its own fields, :func:`kaisoku.config.validate`),
-then :func:`plan_run` gathers what it needs to know of the data (:class:`DataFacts`: the packed index, the
-image folder's classes, or the user's dataset) and of the model (:class:`ModelFacts`: its blocks and layer
-names, from a build on the meta device) and calls :func:`resolve`, which is pure: no process group, no
-files, no model. The :class:`RunPlan` it returns holds the layouts over the run, the per-rank, replica and
+then :func:`kaisoku.run_facts.plan_run` gathers what it needs to know of the data (:class:`DataFacts`: the
+packed index, the image folder's classes, or the user's dataset) and of the model (:class:`ModelFacts`: its
+blocks and layer names, from a build on the meta device) and calls :func:`resolve`, which is pure: no
+process group, no files, no model. The :class:`RunPlan` it returns holds the layouts over the run, the per-rank, replica and
 micro-batch sizes, the sample shape, task and loss, the steps per epoch, the shuffle and cache settings,
 the precision path and the memory planner's inputs. Builders take the plan and re-derive nothing.
 
@@ -13,36 +13,28 @@ Everything that can be known before launch is refused here, before any rank star
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from torch import nn
 
-from kaisoku.config import Config, validate
-from kaisoku.data.datagen import CLASSES as SHAPES_CLASSES
-from kaisoku.data.format import read_index
-from kaisoku.data.loader import packed_splits
+from kaisoku.config import Config
 from kaisoku.data.shuffle import ShuffleSpec
-from kaisoku.data.sources import class_folders, image_folder_splits
 from kaisoku.data.staging import CacheSettings
 from kaisoku.data.transforms import IMAGENET_MEAN, IMAGENET_STD
-from kaisoku.distributed.env import inside_slurm_step, inside_torchrun, planned_world_size, world_from_env
 from kaisoku.distributed.layout import SwitchSchedule, check_parallel, resolve_schedule
 from kaisoku.engine.compile import compile_conflict
-from kaisoku.errors import ConfigError, KaisokuError
+from kaisoku.errors import ConfigError
 from kaisoku.memory.checkpointing import parse_block_list
 from kaisoku.memory.in_backward import in_backward_conflict
 from kaisoku.memory.planner import check_memory_config
-from kaisoku.models.blocks import ordered_blocks
 from kaisoku.models.vit import check_vit_size
-from kaisoku.models.zoo import build_model, is_zoo_model
-from kaisoku.parts import ModelSpec, UserParts, build_user_model
+from kaisoku.models.zoo import is_zoo_model
+from kaisoku.parts import ModelSpec
 from kaisoku.precision import mode_conflict
-from kaisoku.precision.quant import keep_names, quantizable_layers
+from kaisoku.precision.fp8 import fp8_support
+from kaisoku.precision.quant import keep_names
 
 DataSource = Literal["packed", "folder", "generated-shapes", "generated-cosmo", "user"]
 LossName = Literal["cross-entropy", "mse", "user"]
@@ -165,220 +157,6 @@ class RunPlan:
         ]
         width = max(len(key) for key, _ in rows)
         return "\n".join(f"{key:<{width}}  {value}" for key, value in rows)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Facts: what the data and the model say (reads files, builds on the meta device).
-
-
-def generated_source(cfg: Config) -> DataSource:
-    """Which generated set a config without data.path trains on."""
-    return "generated-cosmo" if cfg.model.name == "cosmoflow" else "generated-shapes"
-
-
-def describe_data(cfg: Config, parts: UserParts | None = None) -> DataFacts:
-    """The facts of ``cfg``'s training data: the user's dataset, a packed index, an image folder, or the
-    generated set (known without generating it). One-line ConfigError for a missing or unusable path."""
-    if parts is not None and parts.train_data is not None:
-        return describe_user_data(parts.train_data, parts.val_data, cfg.model.num_classes)
-    if not cfg.data.path:
-        if generated_source(cfg) == "generated-cosmo":
-            size = cfg.data.image_size
-            return DataFacts(
-                source="generated-cosmo",
-                task="regression",
-                sample_shape=(4, size, size, size),
-                in_channels=4,
-                num_classes=4,
-                has_val=True,
-                description="the generated universe set (regression)",
-            )
-        return DataFacts(
-            source="generated-shapes",
-            num_classes=len(SHAPES_CLASSES),
-            has_val=True,
-            description="the generated shapes set: 2D images (classification)",
-        )
-    path = Path(cfg.data.path).expanduser()
-    if not path.exists():
-        raise ConfigError(f"data.path {cfg.data.path} does not exist; point it at a dataset folder")
-    if not path.is_dir():
-        raise ConfigError(f"data.path {cfg.data.path} is not a folder of class sub-folders")
-    packed = packed_splits(path)
-    if packed is None:
-        return DataFacts(
-            source="folder",
-            num_classes=len(class_folders(path / "train" if image_folder_splits(path) else path)),
-            has_val=True,
-            root=str(path),
-            description=f"data.path {path} holds 2D images (classification)",
-        )
-    try:
-        index = read_index(packed[0])
-    except KaisokuError as error:
-        raise ConfigError(str(error)) from None
-    task = "regression" if index.task == "regression" else "classification"
-    stored = next((list(f.shape or []) for f in index.fields if f.name in ("x", "image")), [])
-    facts: dict[str, Any] = {}
-    if task == "regression":
-        volume = next(
-            (f.shape for f in index.fields if f.name != index.target and f.shape and len(f.shape) == 4), None
-        )
-        if volume is None:
-            shapes = ", ".join(f"{f.name} {list(f.shape or [])}" for f in index.fields)
-            raise ConfigError(
-                f"{index.root} is a regression set without a volume field [C, D, D, D] (fields: {shapes}); "
-                "generate one with kaisoku datagen DIR --kind cosmo"
-            )
-        target = index.field(str(index.target))
-        facts = {
-            "sample_shape": tuple(int(d) for d in volume),
-            "in_channels": int(volume[0]),
-            "num_classes": int(torch.Size(target.shape or (1,)).numel()),
-        }
-    else:
-        image = next((f for f in index.fields if f.name == "image"), None)
-        channels = 3
-        if image is not None and image.kind == "array" and image.shape is not None:
-            channels = 1 if len(image.shape) == 2 else int(image.shape[-1])
-        labels = index.columns.get("label")
-        top = int(labels.max()) + 1 if labels is not None and len(labels) else 0
-        facts = {"in_channels": channels, "num_classes": len(index.classes or ()) or top}
-    kind = "volumes" if task == "regression" else "images"
-    return DataFacts(
-        source="packed",
-        task=task,
-        num_samples=index.num_samples,
-        has_val=packed[1] is not None,
-        root=str(path),
-        description=f"data.path {path} holds {kind} {stored} ({task})",
-        **facts,
-    )
-
-
-def describe_user_data(train: Any, val: Any | None, num_classes: int) -> DataFacts:
-    """The facts of a user's map-style dataset of ``(input, target)`` pairs, from its first sample."""
-    if len(train) == 0:
-        raise ConfigError("data: the training dataset is empty")
-    try:
-        sample = train[0]
-    except Exception as error:
-        raise ConfigError(
-            f"data: reading the first training sample failed: {type(error).__name__}: {error}"
-        ) from error
-    if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
-        raise ConfigError(
-            f"data: a sample is a {type(sample).__name__}; the dataset must give (input, target) pairs"
-        )
-    inputs, target = torch.as_tensor(sample[0]), torch.as_tensor(sample[1])
-    classification = target.ndim == 0 and not target.is_floating_point() and not target.is_complex()
-    classes = getattr(train, "classes", None)
-    if classification:
-        count = num_classes or (len(classes) if isinstance(classes, (list, tuple)) else 0)
-    else:
-        count = max(1, target.numel())
-    task = "classification" if classification else "regression"
-    shape = tuple(int(d) for d in inputs.shape)
-    return DataFacts(
-        source="user",
-        task=task,
-        sample_shape=shape,
-        in_channels=shape[0] if shape else 1,
-        num_classes=count,
-        num_samples=len(train),
-        has_val=val is not None,
-        description=f"the given dataset of {len(train)} samples {list(shape)} {inputs.dtype} ({task})",
-    )
-
-
-def model_spec(cfg: Config, data: DataFacts) -> ModelSpec:
-    """What the model must take and give, from the data's facts and ``model.*``."""
-    size = cfg.data.image_size
-    shape = data.sample_shape or (data.in_channels, size, size)
-    return ModelSpec(
-        sample_shape=tuple(shape),
-        num_classes=cfg.model.num_classes or data.num_classes,
-        in_channels=data.in_channels,
-        task=data.task,
-    )
-
-
-def build_zoo_model(cfg: Config, spec: ModelSpec) -> nn.Module:
-    """``model.name`` from kaisoku's zoo for ``spec`` (on the current default device)."""
-    return build_model(
-        cfg.model.name,
-        num_classes=spec.num_classes,
-        stem=cfg.model.stem,
-        zero_init_residual=cfg.model.zero_init_residual,
-        bn_momentum=cfg.model.bn_momentum,
-        in_channels=spec.in_channels,
-        size=spec.sample_shape[-1],
-        width=cfg.model.width,
-    )
-
-
-def make_model(cfg: Config, spec: ModelSpec, parts: UserParts | None = None) -> nn.Module:
-    """The run's model: the user's (an instance or a factory called with ``spec``), else the zoo's."""
-    if parts is not None and parts.model is not None:
-        return build_user_model(parts.model, spec)
-    return build_zoo_model(cfg, spec)
-
-
-def describe_model(cfg: Config, data: DataFacts, parts: UserParts | None = None) -> ModelFacts:
-    """The facts of the run's model, built on the meta device (no memory, no initialisation cost)."""
-    spec = model_spec(cfg, data)
-    if parts is None or parts.model is None:
-        if not is_zoo_model(cfg.model.name):
-            build_model(cfg.model.name, num_classes=1)  # the one-line error listing the choices
-        if spec.task == "classification" and spec.num_classes < 1:
-            raise ConfigError(
-                f"model.num_classes: {data.description or 'the dataset'} does not say how many classes it "
-                "has; set model.num_classes"
-            )
-    if parts is not None and isinstance(parts.model, nn.Module):
-        model = parts.model
-    else:
-        with torch.device("meta"):
-            model = make_model(cfg, spec, parts)
-    try:
-        count: int | None = len(ordered_blocks(model))
-        reason = ""
-    except KaisokuError as error:
-        count, reason = None, str(error)
-    layers = tuple(quantizable_layers(model))
-    randomness = any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())
-    return ModelFacts(
-        spec=spec, block_count=count, block_error=reason, layer_names=layers, has_randomness=randomness
-    )
-
-
-def planned_world(nproc: int) -> WorldShape:
-    """The world a run will have: the launcher's inside torchrun or a Slurm step, else ``nproc`` ranks on
-    this node (0: one per GPU, else 2)."""
-    if inside_torchrun() or inside_slurm_step():
-        world = world_from_env()
-        return WorldShape(world.world_size, world.local_world_size)
-    size = planned_world_size(nproc)
-    return WorldShape(size, size)
-
-
-def plan_run(cfg: Config, world: WorldShape | int | None = None, parts: UserParts | None = None) -> RunPlan:
-    """Gather the data and model facts of ``cfg`` (and the user's ``parts``) and :func:`resolve` it.
-
-    ``world`` is the world the run will have, or its size (all ranks on one node), or None where it is not
-    known yet (the layouts are then checked as far as they can be).
-    """
-    shape = WorldShape(world, world) if isinstance(world, int) else world
-    data = describe_data(cfg, parts)
-    return resolve(cfg, shape, data, describe_model(cfg, data, parts))
-
-
-def check_config(
-    cfg: Config, world: WorldShape | int | None = None, parts: UserParts | None = None
-) -> RunPlan:
-    """Everything ``kaisoku train`` checks before launch: each section's fields, then the plan."""
-    validate(cfg)
-    return plan_run(cfg, world, parts)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -601,8 +379,6 @@ def _check_precision(cfg: Config, model: ModelFacts) -> Literal["fp32", "autocas
         device = "cuda" if torch.cuda.is_available() else "cpu"
     fp8_reason = ""
     if prec.mode == "fp8-stats" and prec.fp8 == "real":
-        from kaisoku.precision.fp8 import fp8_support  # optional: only the fp8 path asks the device
-
         fp8_reason = (
             fp8_support(torch.device(device)) if device == "cpu" or torch.cuda.is_available() else "no CUDA"
         )
@@ -625,8 +401,3 @@ def _check_precision(cfg: Config, model: ModelFacts) -> Literal["fp32", "autocas
             raise ConfigError(f"precision.mode {prec.mode} does not work with {setting}; turn it off")
     keep_names(model.layer_names, prec.keep)  # a ConfigError listing the layers for an unknown name
     return "stats"
-
-
-def replace(plan: RunPlan, **changes: Any) -> RunPlan:
-    """A copy of ``plan`` with ``changes`` (for tests and benchmarks that vary one derived value)."""
-    return dataclasses.replace(plan, **changes)

@@ -22,7 +22,7 @@ from kaisoku.errors import ConfigError
 from kaisoku.models.blocks import state_names
 from kaisoku.optim.factory import build_optimizer, build_optimizer_from_named, build_scheduler, warmup_steps
 from kaisoku.optim.schedules import schedule_factor
-from kaisoku.run_plan import check_config
+from kaisoku.run_facts import check_config
 from tests.dist_harness import run_ranks
 from tests.train_harness import tiny_config
 

@@ -13,7 +13,7 @@ from kaisoku.distributed.env import World
 from kaisoku.engine.build import build_trainer
 from kaisoku.engine.step import DataParallelStep
 from kaisoku.errors import ConfigError
-from kaisoku.run_plan import check_config
+from kaisoku.run_facts import check_config
 from tests.train_harness import tiny_config
 
 
@@ -74,7 +74,8 @@ def test_the_example_batch_has_the_runs_shape_and_targets() -> None:
     targets for a regression set (a cosmoflow compile trial once built 2-D images and integer labels)."""
     from kaisoku.engine.build import example_batch
     from kaisoku.parts import UserParts
-    from kaisoku.run_plan import DataFacts, WorldShape, describe_model, resolve
+    from kaisoku.run_facts import describe_model
+    from kaisoku.run_plan import DataFacts, WorldShape, resolve
 
     cfg = Config()
     cfg.model.name = "cosmoflow"

@@ -14,7 +14,7 @@ from kaisoku.engine.compile import compile_conflict, compile_for_training, synth
 from kaisoku.errors import ConfigError
 from kaisoku.optim import LARS
 from kaisoku.optim.schedules import WarmupSchedule
-from kaisoku.run_plan import check_config
+from kaisoku.run_facts import check_config
 
 
 def tiny_model() -> nn.Module:

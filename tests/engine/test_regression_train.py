@@ -23,7 +23,7 @@ from kaisoku.engine.build import build_trainer
 from kaisoku.errors import ConfigError
 from kaisoku.optim.schedules import schedule_factor
 from kaisoku.presets import get_preset
-from kaisoku.run_plan import check_config
+from kaisoku.run_facts import check_config
 from tests.dist_harness import run_ranks
 from tests.train_harness import cosmoflow_tiny_config, train_env
 

@@ -13,7 +13,7 @@ from torch import nn
 from kaisoku.data.datagen import generate
 from kaisoku.distributed.env import World
 from kaisoku.engine.build import build_trainer
-from kaisoku.run_plan import check_config
+from kaisoku.run_facts import check_config
 from tests.dist_harness import run_ranks
 from tests.train_harness import cosmoflow_tiny_config, metric_lines, tiny_config
 

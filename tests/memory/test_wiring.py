@@ -6,7 +6,7 @@ import pytest
 
 from kaisoku.config import Config
 from kaisoku.errors import ConfigError
-from kaisoku.run_plan import check_config
+from kaisoku.run_facts import check_config
 
 
 @pytest.mark.parametrize(
@@ -35,7 +35,7 @@ def test_recompute_refused_under_pipeline() -> None:
     cfg = Config()
     cfg.memory.recompute = "blocks"
     cfg.parallel.pp = 2
-    with pytest.raises(ConfigError, match="memory.recompute and memory.compress are for data parallelism"):
+    with pytest.raises(ConfigError, match="parallel.pp 2 does not work with memory.recompute / memory.compress"):
         check_config(cfg)
 
 

@@ -15,7 +15,7 @@ from kaisoku.models.zoo import block_count, build_model
 from kaisoku.optim.factory import build_optimizer, param_groups
 from kaisoku.optim.kfac import KFAC
 from kaisoku.presets import get_preset
-from kaisoku.run_plan import check_config
+from kaisoku.run_facts import check_config
 
 
 def tiny(in_channels: int = 1, image_size: int = 16, seed: int = 0) -> nn.Module:

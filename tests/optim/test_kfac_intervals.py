@@ -15,7 +15,7 @@ from kaisoku.config import Config
 from kaisoku.errors import ConfigError
 from kaisoku.optim.kfac import KFAC
 from kaisoku.optim.kfac.intervals import WARMUP_STEPS, choose_intervals, predicted_overhead
-from kaisoku.run_plan import check_config
+from kaisoku.run_facts import check_config
 from tests.dist_harness import run_ranks
 
 

@@ -15,7 +15,7 @@ from kaisoku.distributed.env import World
 from kaisoku.engine.build import build_trainer
 from kaisoku.errors import ConfigError
 from kaisoku.precision.quant import QuantConv2d
-from kaisoku.run_plan import check_config
+from kaisoku.run_facts import check_config
 from tests.train_harness import metric_lines, tiny_config
 
 

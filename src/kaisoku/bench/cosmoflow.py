@@ -41,7 +41,7 @@ from kaisoku.engine.checkpoint import CheckpointManager
 from kaisoku.engine.data_build import build_data
 from kaisoku.models.zoo import build_model
 from kaisoku.presets import get_preset
-from kaisoku.run_plan import plan_run
+from kaisoku.run_facts import plan_run
 
 ERROR_MODE = "log1p"
 """How the lossy packs bound their error: in the log1p domain, where the model sees the counts."""

@@ -44,7 +44,8 @@ from kaisoku.engine.build import build_trainer
 from kaisoku.engine.data_build import build_data
 from kaisoku.models.zoo import build_model
 from kaisoku.optim.factory import build_optimizer
-from kaisoku.run_plan import WorldShape, plan_run
+from kaisoku.run_facts import plan_run
+from kaisoku.run_plan import WorldShape
 
 NAME = "engine"
 WORLD_SIZE = 2

@@ -114,7 +114,7 @@ def production_loader(
     from kaisoku.config import Config
     from kaisoku.distributed.env import World
     from kaisoku.engine.data_build import shard_loader
-    from kaisoku.run_plan import plan_run
+    from kaisoku.run_facts import plan_run
 
     cfg = Config()
     cfg.data.path = str(pack_dir)

@@ -45,7 +45,7 @@ from kaisoku.memory.measure import measure_in_subprocess
 from kaisoku.memory.profile import setup_memory
 from kaisoku.models.zoo import build_model
 from kaisoku.optim.factory import build_optimizer, build_scheduler
-from kaisoku.run_plan import check_config
+from kaisoku.run_facts import check_config
 
 #: Technique -> its ``memory.*`` settings (offload_dir is filled in at run time).
 TECHNIQUES: dict[str, dict[str, Any]] = {

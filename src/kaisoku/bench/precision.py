@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from kaisoku.bench.common import fast_bf16, goal, locate_mnist, record_and_show
-from kaisoku.run_plan import check_config
+from kaisoku.run_facts import check_config
 
 #: Mode label -> ``precision.*`` settings.
 MODES: dict[str, dict[str, Any]] = {

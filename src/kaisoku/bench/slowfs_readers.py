@@ -166,7 +166,8 @@ def node_loader(
     from kaisoku.config_sections import ByteSize
     from kaisoku.distributed.env import World
     from kaisoku.engine.data_build import shard_loader
-    from kaisoku.run_plan import WorldShape, plan_run
+    from kaisoku.run_facts import plan_run
+    from kaisoku.run_plan import WorldShape
 
     ram, local = dirs.node(f"node{rank}")
     cfg = Config()

@@ -34,12 +34,14 @@ from kaisoku.engine.metrics import MetricsLogger
 from kaisoku.engine.step import DataParallelStep, LossFn, Precision, Preconditioner, StepEngine
 from kaisoku.engine.trainer import Trainer, TrainSettings
 from kaisoku.errors import KaisokuError
+from kaisoku.memory.in_backward import attach_update_in_backward
 from kaisoku.memory.profile import MemorySetup, setup_memory
 from kaisoku.optim.factory import build_optimizer, build_optimizer_from_named, build_scheduler
 from kaisoku.optim.kfac import KFAC
 from kaisoku.parts import UserParts, check_user_parts, parts_from_config
 from kaisoku.precision import apply_precision
-from kaisoku.run_plan import RunPlan, WorldShape, make_model, plan_run
+from kaisoku.run_facts import make_model, plan_run
+from kaisoku.run_plan import RunPlan, WorldShape
 
 
 def user_parts(cfg: Config, parts: UserParts | None = None) -> UserParts:
@@ -195,8 +197,6 @@ def build_data_parallel_engine(
         announce=announce,
     )
     if cfg.memory.update_in_backward:
-        from kaisoku.memory.in_backward import attach_update_in_backward  # optional: only this mode needs it
-
         attach_update_in_backward(model, optimizer, compress_bf16=cfg.dist.compress == "bf16")
     return DataParallelStep(
         model,

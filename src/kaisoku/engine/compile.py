@@ -31,6 +31,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from kaisoku.distributed import env
+
 #: The values ``train.compile`` accepts.
 COMPILE_MODES = ("off", "model", "optimizer", "all", "auto")
 #: Steps timed for each way under ``auto``, after the compiling warm-up steps.
@@ -260,8 +262,6 @@ def compile_run(
     """
     if mode == "off":
         return CompileReport(mode="off")
-    from kaisoku.distributed import env
-
     report = compile_for_training(
         mode,
         model,

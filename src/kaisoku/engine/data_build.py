@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from kaisoku.config import Config
+from kaisoku.data.cosmo import VolumeTargetTransform, ensure_cosmo_dataset
 from kaisoku.data.counters import LoaderCounters
 from kaisoku.data.datagen import ensure_demo_dataset
 from kaisoku.data.dataset import ImageLabelTransform, ShardedDataset
@@ -34,8 +35,6 @@ def dataset_root(cfg: Config) -> Path:
     if cfg.data.path:
         return Path(cfg.data.path).expanduser()
     if cfg.model.name == "cosmoflow":  # the generated universe set, at data.image_size cubed
-        from kaisoku.data.cosmo import ensure_cosmo_dataset  # start-up: the volume generator is large
-
         return ensure_cosmo_dataset(cfg.data.cache_dir, size=cfg.data.image_size)
     return ensure_demo_dataset(cfg.data.cache_dir)
 
@@ -191,8 +190,6 @@ def build_data(
         )
     train_dir, val_dir = packed
     if plan.task == "regression":
-        from kaisoku.data.cosmo import VolumeTargetTransform  # start-up: only volume sets need it
-
         target = str(read_index(train_dir).target)
 
         def transform(train: bool) -> Any:

@@ -23,6 +23,7 @@ from kaisoku.engine.divergence import NonFiniteGuard
 from kaisoku.errors import KaisokuError
 from kaisoku.memory.compress import ActivationCompressor
 from kaisoku.models.blocks import state_names
+from kaisoku.precision import mode_conflict
 
 if TYPE_CHECKING:
     from kaisoku.precision.stats import PrecisionMonitor
@@ -38,8 +39,6 @@ class Precision:
     (:func:`kaisoku.precision.apply_precision`) and :attr:`monitor` holds their per-layer statistics."""
 
     def __init__(self, mode: str, device: torch.device) -> None:
-        from kaisoku.precision import mode_conflict
-
         conflict = mode_conflict(mode, device.type)
         if conflict:
             raise KaisokuError(conflict)

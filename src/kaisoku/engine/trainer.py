@@ -371,7 +371,10 @@ class Trainer:
         expected = getattr(getattr(self.val_loader, "batch_sampler", None), "num_samples", seen)
         totals = env.all_reduce_sum([*values, float(seen), float(expected - seen)], self.device)
         model.train()
-        return {**self.task.validation_metrics(totals[:-2], totals[-2]), "val_skipped_records": int(totals[-1])}
+        return {
+            **self.task.validation_metrics(totals[:-2], totals[-2]),
+            "val_skipped_records": int(totals[-1]),
+        }
 
     # ------------------------------------------------------------------------------------------------
     # Loop

@@ -9,6 +9,8 @@ from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
 from kaisoku.errors import ConfigError
+from kaisoku.models.blocks import ordered_blocks
+from kaisoku.models.cosmoflow import CosmoFlow
 from kaisoku.models.vit import VITS, build_vit
 
 _RESNETS: dict[str, tuple[type[BasicBlock] | type[Bottleneck], list[int]]] = {
@@ -125,8 +127,6 @@ def build_model(
     if name == "small-cnn":
         return SmallCNN(num_classes=num_classes, in_channels=in_channels)
     if name == "cosmoflow":
-        from kaisoku.models.cosmoflow import CosmoFlow
-
         return CosmoFlow(size=size or 128, in_channels=in_channels, outputs=num_classes, width=width or 32)
     if name in VITS:
         return build_vit(name, num_classes=num_classes, image_size=size or None, in_channels=in_channels)
@@ -149,7 +149,5 @@ def block_count(name: str, *, stem: str = "imagenet") -> int:
 
     Built on the meta device: no memory and no initialisation cost.
     """
-    from kaisoku.models.blocks import ordered_blocks
-
     with torch.device("meta"):
         return len(ordered_blocks(build_model(name, num_classes=10, stem=stem)))

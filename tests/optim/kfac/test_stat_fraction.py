@@ -9,7 +9,7 @@ from torch import nn
 from kaisoku.config import Config
 from kaisoku.errors import ConfigError
 from kaisoku.optim.kfac import KFAC
-from kaisoku.run_plan import check_config
+from kaisoku.run_facts import check_config
 from tests.optim.kfac.test_factors import _one_step
 
 
