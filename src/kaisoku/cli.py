@@ -7,6 +7,7 @@ import sys
 import typing
 from collections.abc import Sequence
 
+from kaisoku.command_parser import CommandParser
 from kaisoku.config import (
     Config,
     apply_mapping,
@@ -30,13 +31,6 @@ _SHORTCUTS = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line and exit 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{self.prog}: {message}")
-
-
 def _metavar(tp: object) -> str:
     if typing.get_origin(tp) is typing.Literal:
         return "{" + ",".join(str(v) for v in typing.get_args(tp)) + "}"
@@ -44,7 +38,7 @@ def _metavar(tp: object) -> str:
 
 
 def _train_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = CommandParser(
         prog="kaisoku train",
         usage="kaisoku train [--preset NAME] [--config FILE.toml] [--section.field VALUE ...]",
         description=(
@@ -129,7 +123,7 @@ def cmd_datagen(argv: Sequence[str]) -> int:
     """``kaisoku datagen DIR --count N --size S [--kind shapes|cosmo]``."""
     from kaisoku.data.datagen import CLASSES, generate
 
-    parser = _Parser(
+    parser = CommandParser(
         prog="kaisoku datagen",
         description=(
             "Write the procedurally drawn shapes dataset as JPEG class folders (--kind shapes), or synthetic "
@@ -184,7 +178,7 @@ def _pack_upgrade(argv: Sequence[str]) -> int:
 
     from kaisoku.data.format import FORMAT_VERSION, split_dirs, upgrade_index
 
-    parser = _Parser(prog="kaisoku pack --upgrade", description=_pack_upgrade.__doc__)
+    parser = CommandParser(prog="kaisoku pack --upgrade", description=_pack_upgrade.__doc__)
     parser.add_argument("paths", nargs="+", help="packed dataset directories (or directories of splits)")
     for path in parser.parse_args(list(argv)).paths:
         for target in split_dirs(Path(path)) or [Path(path)]:
@@ -202,7 +196,7 @@ def cmd_pack(argv: Sequence[str]) -> int:
     from kaisoku.data.writer import pack
     from kaisoku.units import format_bytes, parse_bytes
 
-    parser = _Parser(
+    parser = CommandParser(
         prog="kaisoku pack",
         description=(
             "Pack an ImageFolder tree (or SRC/{train,val}/<class>) or a .npz of x_<split>/y_<split> arrays "
@@ -278,7 +272,7 @@ def cmd_inspect(argv: Sequence[str]) -> int:
     """``kaisoku inspect PATH [--verify]``."""
     from kaisoku.data.inspect import inspect_dataset
 
-    parser = _Parser(
+    parser = CommandParser(
         prog="kaisoku inspect",
         description="Summarise a packed dataset; --verify checks every shard size and record checksum.",
     )
@@ -298,7 +292,7 @@ def cmd_report(argv: Sequence[str]) -> int:
     """``kaisoku report RUN_DIR``."""
     from kaisoku.engine.report import write_report
 
-    parser = _Parser(
+    parser = CommandParser(
         prog="kaisoku report",
         description="Write RUN_DIR/report.html: plots of the run's metrics, its events, config and environment.",
     )
@@ -309,15 +303,16 @@ def cmd_report(argv: Sequence[str]) -> int:
 
 
 def cmd_probe(argv: Sequence[str]) -> int:
-    """``kaisoku probe PATH [--out machine.toml] [--seconds S]``."""
-    from kaisoku.probe import cmd_probe as run
+    """``kaisoku probe PATH [--out machine.toml] [--seconds S]``; ``--train CONFIG`` is read as ``kaisoku train
+    --config CONFIG`` reads it."""
+    from kaisoku.plan.probe import cmd_probe as run  # start-up: loaded only when this command runs
 
-    return run(argv)
+    return run(argv, train_config=lambda path: resolve_config(["--config", path])[0])
 
 
 def cmd_plan(argv: Sequence[str]) -> int:
     """``kaisoku plan --cluster C.toml --dataset D [--nodes N] [--au 0.9] [--json] [--plot FILE.png]``."""
-    from kaisoku.plan import cmd_plan as run
+    from kaisoku.plan.command import cmd_plan as run  # start-up: loaded only when this command runs
 
     return run(argv)
 

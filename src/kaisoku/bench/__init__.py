@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kaisoku.bench.common import end_run, source_repo, start_run, unmet_goals
+from kaisoku.command_parser import CommandParser
 from kaisoku.errors import ConfigError
 
 #: Benchmark name -> module under ``kaisoku.bench``.
@@ -56,14 +57,9 @@ def run_benchmark(name: str, quick: bool, out_dir: Path) -> dict[str, Any]:
     return module.run(quick=quick, out_dir=out_dir)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{self.prog}: {message}")
-
-
 def parser() -> argparse.ArgumentParser:
     """The parser of ``kaisoku bench``."""
-    p = _Parser(
+    p = CommandParser(
         prog="kaisoku bench",
         description="Run a benchmark; its record goes to OUT/<name>.json (see benchmarks/README.md).",
     )

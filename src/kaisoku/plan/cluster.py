@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kaisoku.errors import ConfigError
-from kaisoku.plan_model import MB, Cluster, Dataset, RateTable
+from kaisoku.plan.model import MB, Cluster, Dataset, RateTable
 from kaisoku.units import parse_bytes
 
 _SECTIONS = {

@@ -1,4 +1,4 @@
-"""``kaisoku plan``: which staging and shuffle to use on a cluster, from the model in :mod:`kaisoku.plan_model`.
+"""``kaisoku plan``: which staging and shuffle to use on a cluster, from the model in :mod:`kaisoku.plan.model`.
 
 Prints a table of every strategy's predicted first and steady epoch time, AU, local footprint, network
 volume and shuffle quality, the recommendation with its reason, and the exact ``kaisoku train`` flags;
@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from kaisoku.command_parser import CommandParser
 from kaisoku.errors import ConfigError
-from kaisoku.plan_cluster import load_cluster, load_dataset
-from kaisoku.plan_model import (
+from kaisoku.plan.cluster import load_cluster, load_dataset
+from kaisoku.plan.model import (
     Cluster,
     Dataset,
     Prediction,
@@ -119,7 +120,7 @@ def plan_record(
             "why": why,
             "flags": train_flags(best.strategy, cluster, dataset),
         },
-        "model": "kaisoku.plan_model (see its docstring); figures are predictions, not measurements",
+        "model": "kaisoku.plan.model (see its docstring); figures are predictions, not measurements",
     }
 
 
@@ -246,9 +247,7 @@ def plot(cluster: Cluster, dataset: Dataset, path: Path) -> bool:
 
 def cmd_plan(argv: Sequence[str]) -> int:
     """``kaisoku plan --cluster C.toml --dataset D [--nodes N] [--au 0.9] [--json] [--plot FILE.png]``."""
-    from kaisoku.cli import _Parser
-
-    parser = _Parser(
+    parser = CommandParser(
         prog="kaisoku plan",
         description=(
             "Predict first and steady epoch time, accelerator utilisation (AU), local footprint and network "
