@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kaisoku.bench.common import end_run, source_repo, start_run, unmet_goals
+from kaisoku.bench.common import end_run, source_repo, start_run, tree_state, unmet_goals
 from kaisoku.command_parser import CommandParser
 from kaisoku.errors import ConfigError
 
@@ -118,8 +118,6 @@ def resolve_out(out: str, *, quick: bool, allow_dirty: bool, repo: Path, name: s
         return Path(out)
     path = Path(out) if out else repo / RESULTS
     if _inside(path, protected) and not allow_dirty:
-        from kaisoku.bench.common import tree_state
-
         if tree_state(repo).dirty:
             raise ConfigError(
                 f"refusing to record into {RESULTS}: tracked files have uncommitted changes; commit them, "

@@ -45,6 +45,7 @@ from kaisoku.bench import netfs
 from kaisoku.bench.common import goal, record_and_show
 from kaisoku.bench.imagesets import BATCH, SEED, data_root, image_set, log
 from kaisoku.bench.slowfs_readers import CacheDirs, _file_bytes, node_loader
+from kaisoku.data.format import read_index
 from kaisoku.data.shuffle import ShuffleSpec
 from kaisoku.distributed.spawn import run_ranks
 from kaisoku.plan.cluster import cluster_from_dict, load_cluster, load_dataset
@@ -160,8 +161,6 @@ def _machine(profile: dict[str, Any], nodes: int, loader_rate: float, capacity: 
 def _loader_rate(pack: Path, nodes: int, work: Path) -> float:
     """Samples/s of one node's loader from its RAM tier with ``nodes`` nodes running (second epoch,
     unthrottled; the median of 3 runs)."""
-    from kaisoku.data.format import read_index
-
     seconds = statistics.median(measure_cell("staged-global", nodes, pack, [], work)[1] for _ in range(3))
     return read_index(pack).num_samples / nodes / seconds
 

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from kaisoku.errors import ConfigError
+from kaisoku.memory.compress import ActivationCompressor
 from kaisoku.memory.planner import block_range
 from kaisoku.models.blocks import ordered_blocks
 
@@ -201,8 +202,6 @@ def apply_techniques(
     :class:`~kaisoku.memory.compress.ActivationCompressor` each); ``offload``: a
     :mod:`kaisoku.memory.offload` store (its ``hooks()`` per block, its ``begin()`` once per step).
     """
-    from kaisoku.memory.compress import ActivationCompressor
-
     parts = ordered_blocks(model)
     if len(techniques) != len(parts):
         raise ConfigError(f"a memory plan for {len(techniques)} blocks given to a model of {len(parts)}")

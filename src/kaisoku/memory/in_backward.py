@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from kaisoku.distributed.data_parallel import chain_after_allreduce
+
 #: Optimizers whose update of one parameter depends on that parameter alone.
 SUPPORTED = ("sgd", "lars", "lamb")
 
@@ -114,8 +116,6 @@ def attach_update_in_backward(model: nn.Module, optimizer: Optimizer, *, compres
     ``compress_bf16``); the wrapper must have no communication hook yet.
     """
     if hasattr(model, "register_comm_hook"):
-        from kaisoku.distributed.data_parallel import chain_after_allreduce
-
         chain_after_allreduce(model, SubsetStepper(optimizer).step, compress_bf16=compress_bf16)
     else:
         install_update_hooks(model, optimizer)

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kaisoku.errors import ConfigError
+from kaisoku.memory.offload import check_offload_dir
 from kaisoku.units import format_bytes, parse_bytes
 
 TECHNIQUES = ("keep", "compress", "int8", "recompute", "offload")
@@ -288,8 +289,6 @@ def check_memory_config(memory: object, *, hybrid: bool, block_count: Callable[[
     if get("offload") == "disk" and not str(get("offload_dir")).strip():
         raise ConfigError("memory.offload disk needs memory.offload_dir (a node-local directory)")
     if str(get("offload_dir")).strip():
-        from kaisoku.memory.offload import check_offload_dir
-
         check_offload_dir(str(get("offload_dir")))
     if str(get("budget")).strip():
         parse_budget(str(get("budget")), total_bytes=1 << 30)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,8 @@ from typing import Any
 import numpy as np
 
 from kaisoku.command_parser import CommandParser
+from kaisoku.data.quality import shuffle_quality
+from kaisoku.data.shuffle import ShuffleSpec, epoch_order, partial_plan
 from kaisoku.errors import ConfigError
 from kaisoku.plan.cluster import load_cluster, load_dataset
 from kaisoku.plan.model import (
@@ -42,9 +43,6 @@ PLOT_NODES = tuple(2**k for k in range(13))  # 1 .. 4096
 def _quality(
     shuffle: str, exchange: float, shards: int, per_shard: int, nodes: int, node_batch: int
 ) -> float:
-    from kaisoku.data.quality import shuffle_quality
-    from kaisoku.data.shuffle import ShuffleSpec, epoch_order, partial_plan
-
     sizes = np.full(shards, per_shard, dtype=np.int64)
     global_batch = node_batch * nodes
     if shuffle == "partial":
@@ -286,8 +284,3 @@ def cmd_plan(argv: Sequence[str]) -> int:
     if args.plot and plot(cluster, dataset, Path(args.plot)) and not args.json:
         print(f"wrote {args.plot}")
     return 0
-
-
-def describe(cluster: Cluster) -> dict[str, Any]:
-    """The cluster as plain values (for records)."""
-    return asdict(cluster)

@@ -21,6 +21,7 @@ from torch import nn
 
 from kaisoku.errors import ConfigError
 from kaisoku.precision.float32_layers import keep_norms_float32, keep_padded_convs_float32
+from kaisoku.precision.fp8 import fp8_support, use_real_fp8
 from kaisoku.precision.quant import MODE_FORMATS, TENSORS, quantizable_layers, quantize_model, resolve_keep
 from kaisoku.precision.scaler import AmaxHistory, ExponentScaler, shared_exponent
 from kaisoku.precision.stats import PrecisionMonitor
@@ -96,8 +97,6 @@ def apply_precision(
     )
     note = ""
     if cfg.mode == "fp8-stats":
-        from kaisoku.precision.fp8 import fp8_support, use_real_fp8
-
         reason = fp8_support(device)
         if cfg.fp8 == "real" and reason:
             raise ConfigError(mode_conflict(cfg.mode, device.type, cfg.fp8, reason))
