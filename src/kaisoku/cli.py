@@ -8,6 +8,7 @@ import typing
 from collections.abc import Sequence
 
 from kaisoku import __version__
+from kaisoku.command_parser import CommandParser
 from kaisoku.config import (
     Config,
     apply_mapping,
@@ -31,13 +32,6 @@ _SHORTCUTS = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line and exit 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{self.prog}: {message}")
-
-
 def _metavar(tp: object) -> str:
     if typing.get_origin(tp) is typing.Literal:
         return "{" + ",".join(str(v) for v in typing.get_args(tp)) + "}"
@@ -45,7 +39,7 @@ def _metavar(tp: object) -> str:
 
 
 def _train_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = CommandParser(
         prog="kaisoku train",
         usage="kaisoku train [--preset NAME] [--config FILE.toml] [--section.field VALUE ...]",
         description=(
@@ -116,6 +110,7 @@ def resolve_config(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
 
 def cmd_train(argv: Sequence[str]) -> int:
     """``kaisoku train``."""
+    # start-up: each command imports only what it runs
     from kaisoku.distributed.env import inside_slurm_step, inside_torchrun
 
     cfg, args = resolve_config(argv)
@@ -141,9 +136,10 @@ def cmd_train(argv: Sequence[str]) -> int:
 
 def cmd_datagen(argv: Sequence[str]) -> int:
     """``kaisoku datagen DIR --count N --size S [--kind shapes|cosmo]``."""
+    # start-up: each command imports only what it runs
     from kaisoku.data.datagen import CLASSES, generate
 
-    parser = _Parser(
+    parser = CommandParser(
         prog="kaisoku datagen",
         description=(
             "Write the procedurally drawn shapes dataset as JPEG class folders (--kind shapes), or synthetic "
@@ -159,6 +155,7 @@ def cmd_datagen(argv: Sequence[str]) -> int:
     parser.add_argument("--workers", type=int, default=0, help="processes (0: one per core)")
     args = parser.parse_args(list(argv))
     if args.kind == "cosmo":
+        # start-up: each command imports only what it runs
         from kaisoku.data.cosmo import generate_cosmo
 
         path = generate_cosmo(
@@ -187,6 +184,7 @@ def cmd_datagen(argv: Sequence[str]) -> int:
 
 def cmd_bench(argv: Sequence[str]) -> int:
     """``kaisoku bench NAME [--quick] [--out DIR] [--strict] [--allow-dirty] [--mnist PATH]``."""
+    # start-up: each command imports only what it runs
     from kaisoku.bench import main as bench_main
 
     return bench_main(argv)
@@ -196,9 +194,10 @@ def _pack_upgrade(argv: Sequence[str]) -> int:
     """``kaisoku pack --upgrade DIR...``: rewrite each index as the current format version, shards untouched."""
     from pathlib import Path
 
+    # start-up: each command imports only what it runs
     from kaisoku.data.format import FORMAT_VERSION, split_dirs, upgrade_index
 
-    parser = _Parser(prog="kaisoku pack --upgrade", description=_pack_upgrade.__doc__)
+    parser = CommandParser(prog="kaisoku pack --upgrade", description=_pack_upgrade.__doc__)
     parser.add_argument("paths", nargs="+", help="packed dataset directories (or directories of splits)")
     for path in parser.parse_args(list(argv)).paths:
         for target in split_dirs(Path(path)) or [Path(path)]:
@@ -212,11 +211,12 @@ def cmd_pack(argv: Sequence[str]) -> int:
     """``kaisoku pack SRC DST`` (or ``kaisoku pack --upgrade DIR``)."""
     if "--upgrade" in argv:
         return _pack_upgrade([a for a in argv if a != "--upgrade"])
+    # start-up: each command imports only what it runs
     from kaisoku.data.codecs import available_codecs
     from kaisoku.data.writer import pack
     from kaisoku.units import format_bytes, parse_bytes
 
-    parser = _Parser(
+    parser = CommandParser(
         prog="kaisoku pack",
         description=(
             "Pack an ImageFolder tree (or SRC/{train,val}/<class>) or a .npz of x_<split>/y_<split> arrays "
@@ -264,6 +264,7 @@ def cmd_pack(argv: Sequence[str]) -> int:
     if (args.error_bound or args.error_mode != "abs") and args.codec != "delta":
         raise ConfigError(f"kaisoku pack: --error-bound needs --codec delta (got --codec {args.codec})")
     if args.codec == "delta":
+        # start-up: each command imports only what it runs
         from kaisoku.data.delta import delta_codec_name
 
         args.codec = delta_codec_name(args.error_bound, args.error_mode)
@@ -290,9 +291,10 @@ def cmd_pack(argv: Sequence[str]) -> int:
 
 def cmd_inspect(argv: Sequence[str]) -> int:
     """``kaisoku inspect PATH [--verify]``."""
+    # start-up: each command imports only what it runs
     from kaisoku.data.inspect import inspect_dataset
 
-    parser = _Parser(
+    parser = CommandParser(
         prog="kaisoku inspect",
         description="Summarise a packed dataset; --verify checks every shard size and record checksum.",
     )
@@ -310,9 +312,10 @@ def cmd_inspect(argv: Sequence[str]) -> int:
 
 def cmd_report(argv: Sequence[str]) -> int:
     """``kaisoku report RUN_DIR``."""
+    # start-up: each command imports only what it runs
     from kaisoku.engine.report import write_report
 
-    parser = _Parser(
+    parser = CommandParser(
         prog="kaisoku report",
         description="Write RUN_DIR/report.html: plots of the run's metrics, its events, config and environment.",
     )
@@ -323,15 +326,16 @@ def cmd_report(argv: Sequence[str]) -> int:
 
 
 def cmd_probe(argv: Sequence[str]) -> int:
-    """``kaisoku probe PATH [--out machine.toml] [--seconds S]``."""
-    from kaisoku.probe import cmd_probe as run
+    """``kaisoku probe PATH [--out machine.toml] [--seconds S]``; ``--train CONFIG`` is read as ``kaisoku train
+    --config CONFIG`` reads it."""
+    from kaisoku.plan.probe import cmd_probe as run  # start-up: loaded only when this command runs
 
-    return run(argv)
+    return run(argv, train_config=lambda path: resolve_config(["--config", path])[0])
 
 
 def cmd_plan(argv: Sequence[str]) -> int:
     """``kaisoku plan --cluster C.toml --dataset D [--nodes N] [--au 0.9] [--json] [--plot FILE.png]``."""
-    from kaisoku.plan import cmd_plan as run
+    from kaisoku.plan.command import cmd_plan as run  # start-up: loaded only when this command runs
 
     return run(argv)
 

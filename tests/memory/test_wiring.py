@@ -35,7 +35,9 @@ def test_recompute_refused_under_pipeline() -> None:
     cfg = Config()
     cfg.memory.recompute = "blocks"
     cfg.parallel.pp = 2
-    with pytest.raises(ConfigError, match="parallel.pp 2 does not work with memory.recompute / memory.compress"):
+    with pytest.raises(
+        ConfigError, match="parallel.pp 2 does not work with memory.recompute / memory.compress"
+    ):
         check_config(cfg)
 
 

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kaisoku.bench.common import end_run, source_repo, start_run, unmet_goals
+from kaisoku.bench.common import end_run, source_repo, start_run, tree_state, unmet_goals
+from kaisoku.command_parser import CommandParser
 from kaisoku.errors import ConfigError
 
 #: Benchmark name -> module under ``kaisoku.bench``.
@@ -27,7 +28,7 @@ BENCHMARKS: dict[str, str] = {
     "optim": "kaisoku.bench.optim",
     "largebatch": "kaisoku.bench.largebatch",
     "parallel": "kaisoku.bench.parallel",
-    "kfac": "kaisoku.bench.kfac",
+    "kfac": "kaisoku.bench.kfac_cases",
     "compile": "kaisoku.bench.compile",
     "memory": "kaisoku.bench.memory",
     "precision": "kaisoku.bench.precision",
@@ -56,14 +57,9 @@ def run_benchmark(name: str, quick: bool, out_dir: Path) -> dict[str, Any]:
     return module.run(quick=quick, out_dir=out_dir)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{self.prog}: {message}")
-
-
 def parser() -> argparse.ArgumentParser:
     """The parser of ``kaisoku bench``."""
-    p = _Parser(
+    p = CommandParser(
         prog="kaisoku bench",
         description="Run a benchmark; its record goes to OUT/<name>.json (see benchmarks/README.md).",
     )
@@ -122,8 +118,6 @@ def resolve_out(out: str, *, quick: bool, allow_dirty: bool, repo: Path, name: s
         return Path(out)
     path = Path(out) if out else repo / RESULTS
     if _inside(path, protected) and not allow_dirty:
-        from kaisoku.bench.common import tree_state
-
         if tree_state(repo).dirty:
             raise ConfigError(
                 f"refusing to record into {RESULTS}: tracked files have uncommitted changes; commit them, "

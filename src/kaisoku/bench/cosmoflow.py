@@ -39,6 +39,7 @@ from kaisoku.data.writer import pack
 from kaisoku.distributed.env import World
 from kaisoku.engine.checkpoint import CheckpointManager
 from kaisoku.engine.data_build import build_data
+from kaisoku.engine.run import train_on_local_ranks
 from kaisoku.models.zoo import build_model
 from kaisoku.presets import get_preset
 from kaisoku.run_facts import plan_run
@@ -134,8 +135,6 @@ def _decode_costs(source: Path, samples: int = 32) -> dict[str, float]:
 
 def _train(cfg: Config, nproc: int, run_dir: Path) -> tuple[dict[str, Any], float]:
     """Train ``cfg`` with ``kaisoku train``'s launcher; the last validation record and the wall seconds."""
-    from kaisoku.engine.run import train_on_local_ranks
-
     cfg.run_dir = str(run_dir)
     cfg.dist.nproc = nproc
     start = time.perf_counter()

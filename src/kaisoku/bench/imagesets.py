@@ -19,6 +19,7 @@ import numpy as np
 import simplejpeg
 import torch
 
+from kaisoku.config import Config
 from kaisoku.data.datagen import generate
 from kaisoku.data.dataset import ImageLabelTransform, ShardedDataset
 from kaisoku.data.folder import FileList, scan_class_folders
@@ -26,6 +27,9 @@ from kaisoku.data.format import Index, read_index
 from kaisoku.data.loader import ShardLoader
 from kaisoku.data.transforms import AugmentSpec
 from kaisoku.data.writer import pack
+from kaisoku.distributed.env import World
+from kaisoku.engine.data_build import shard_loader
+from kaisoku.run_facts import plan_run
 
 BATCH = 256
 """Samples per batch in every row."""
@@ -111,11 +115,6 @@ def production_loader(
     """The :class:`ShardLoader` ``kaisoku train`` builds for a run on ``pack_dir`` (one rank, global shuffle,
     batch :data:`BATCH`, ``workers`` decoding threads), from a config through the training builder
     (:func:`kaisoku.engine.data_build.shard_loader`), over a dataset with ``transform``."""
-    from kaisoku.config import Config
-    from kaisoku.distributed.env import World
-    from kaisoku.engine.data_build import shard_loader
-    from kaisoku.run_facts import plan_run
-
     cfg = Config()
     cfg.data.path = str(pack_dir)
     cfg.data.global_batch = BATCH

@@ -1,7 +1,7 @@
 """``kaisoku bench kfac``: wall time to a target test accuracy for SGD, LARS and K-FAC.
 
-This module is the training run shared by the cases (:mod:`kaisoku.bench.kfac_cases` holds the cases, the
-summary and the record). In the mnist case a small BatchNorm CNN (``SmallCNN``, width 16) is trained
+This module is the training run shared by the cases; :mod:`kaisoku.bench.kfac_cases` is the benchmark's
+entry (its ``run``), with the cases, the summary and the record. In the mnist case a small BatchNorm CNN (``SmallCNN``, width 16) is trained
 data-parallel (DDP, gloo, one thread per rank) at global batch 2,048 by three methods with the same tuning budget: SGD and LARS each tune the learning
 rate over a 3-point grid, K-FAC (in front of momentum SGD, factor statistics on a quarter of the batch)
 tunes kl_clip, its step size, over 3 points; every grid is extended while its best point is at an edge.
@@ -30,7 +30,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from kaisoku.bench.common import fast_bf16
+from kaisoku.data.datagen import CLASSES
 from kaisoku.distributed.spawn import run_ranks
+from kaisoku.models.zoo import SmallCNN
+from kaisoku.models.zoo import build_model as build_zoo_model
+from kaisoku.optim import LARS
 from kaisoku.optim.kfac import KFAC
 
 WORLD_SIZE = 2
@@ -111,11 +115,7 @@ QUICK_PLAN = quick_plan(
 
 
 def second_method() -> tuple[str, str]:
-    """``("lars", why)`` when ``kaisoku.optim.LARS`` exists, else ``("nesterov", why)``."""
-    try:
-        from kaisoku.optim import LARS  # noqa: F401
-    except ImportError:
-        return "nesterov", "kaisoku.optim.LARS is absent: Nesterov momentum SGD stands in for LARS"
+    """The method compared besides SGD and K-FAC, and how it is set up: ``("lars", why)``."""
     return "lars", "LARS: eta 0.02 with LARC clipping, no adaptation on BatchNorm and biases"
 
 
@@ -128,31 +128,13 @@ SHAPES_SIZE = 16
 
 
 def build_model(case: str = "mnist") -> nn.Module:
-    """The benchmarked model: ``SmallCNN`` of width 16 (mnist; an equivalent local CNN where the zoo lacks
-    it), or resnet10 with the compact stem for the shapes set's RGB images and classes (resnet10-shapes)."""
+    """The benchmarked model: ``SmallCNN`` of width 16 (mnist), or resnet10 with the compact stem for the
+    shapes set's RGB images and classes (resnet10-shapes)."""
     if case == "resnet10-shapes":
-        from kaisoku.data.datagen import CLASSES
-        from kaisoku.models.zoo import build_model as build_zoo_model
-
         return build_zoo_model(
             "resnet10", num_classes=len(CLASSES), stem="compact", in_channels=3, size=SHAPES_SIZE
         )
-    try:
-        from kaisoku.models.zoo import SmallCNN
-    except ImportError:  # pragma: no cover - the model zoo ships with kaisoku
-        return _fallback_cnn()
     return SmallCNN(width=16)
-
-
-def _fallback_cnn() -> nn.Module:
-    def block(cin: int, cout: int) -> nn.Sequential:
-        return nn.Sequential(
-            nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(), nn.MaxPool2d(2)
-        )
-
-    return nn.Sequential(
-        block(1, 16), block(16, 32), block(32, 64), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)
-    )
 
 
 def _load(path: Path, plan: Plan) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -185,11 +167,7 @@ def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
 
 def _make_optimizer(method: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
     if method == "lars":
-        from kaisoku.optim import LARS
-
         return LARS(model.named_parameters(), lr=lr, momentum=0.9, eta=0.02, trust_clip=True)
-    if method == "nesterov":
-        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True)
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
 
@@ -483,10 +461,3 @@ def _run_ranks(plan: Plan, data_path: Path, timeout_s: float) -> dict[str, Any]:
                     f"K-FAC benchmark ranks produced no result (limit {timeout_s:.0f} s):\n{error}"
                 ) from None
             return torch.load(partial, weights_only=False)
-
-
-def run(quick: bool, out_dir: Path) -> dict[str, Any]:
-    """Run the benchmark's cases (see :mod:`kaisoku.bench.kfac_cases`) and write ``kfac.json``."""
-    from kaisoku.bench.kfac_cases import run_cases
-
-    return run_cases(quick, out_dir)

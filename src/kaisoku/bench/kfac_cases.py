@@ -1,4 +1,4 @@
-"""The cases of ``kaisoku bench kfac``, its summary and its record.
+"""``kaisoku bench kfac``'s entry (:func:`run`): its cases, summary and record.
 
 - ``mnist``: ``SmallCNN`` on MNIST at global batch 2,048 on 2 gloo CPU ranks
   (:data:`kaisoku.bench.kfac.FULL_PLAN`).
@@ -38,6 +38,8 @@ from kaisoku.bench.kfac import (
     quick_plan,
     second_method,
 )
+from kaisoku.bench.kfac_peers import asdl_row, plot_curves
+from kaisoku.data.datagen import CLASSES, draw_sample, sample_rng
 from kaisoku.errors import ConfigError
 
 #: Images per split of the resnet10 case (their size: :data:`kaisoku.bench.kfac.SHAPES_SIZE`).
@@ -100,8 +102,6 @@ GOALS = {
 
 
 def _draw(split: str, start: int, stop: int, size: int) -> tuple[np.ndarray, np.ndarray]:
-    from kaisoku.data.datagen import CLASSES, draw_sample, sample_rng
-
     labels = np.arange(start, stop) % len(CLASSES)
     images = [
         draw_sample(int(label), size, sample_rng(0, split, index))
@@ -280,10 +280,8 @@ def _cases(quick: bool) -> tuple[list[str], dict[str, str]]:
     return cases, skipped
 
 
-def run_cases(quick: bool, out_dir: Path) -> dict[str, Any]:
+def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     """Run the cases this machine can (``quick``: small and short), print the table, write ``kfac.json``."""
-    from kaisoku.bench.kfac_peers import asdl_row, plot_curves
-
     second, second_note = second_method()
     cases, skipped = _cases(quick)
     started = time.perf_counter()

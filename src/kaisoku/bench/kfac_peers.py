@@ -106,7 +106,7 @@ def plot_curves(runs: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    colors = {"sgd": "tab:blue", "lars": "tab:orange", "nesterov": "tab:orange", "kfac": "tab:green"}
+    colors = {"sgd": "tab:blue", "lars": "tab:orange", "kfac": "tab:green"}
     # Left: the whole run; right: zoomed on the target.
     for ax, bottom in zip(axes, (0.0, max(0.0, target - 0.05))):
         seen: set[str] = set()

@@ -35,8 +35,11 @@ import torch
 from torch import nn
 
 from kaisoku.bench.common import bench_device, goal, interleaved, median_iqr, record_and_show
-from kaisoku.config import OptimConfig, SchedConfig
+from kaisoku.config import Config, OptimConfig, SchedConfig
 from kaisoku.config_sections import MemoryConfig
+from kaisoku.data.datagen import generate
+from kaisoku.distributed.env import World
+from kaisoku.engine.build import build_trainer
 from kaisoku.engine.compile import synthetic_batch
 from kaisoku.engine.step import DataParallelStep, Precision
 from kaisoku.errors import KaisokuError
@@ -66,6 +69,7 @@ EXACT = (
     "blocks+in-backward",
     "offload-disk",
 )
+
 #: Planner rows: name -> budget as a fraction of plain's rise.
 PLANNER = {"planner-60%": 0.6, "planner-40%": 0.4}
 MIB = float(1 << 20)
@@ -299,11 +303,6 @@ def largest_batch(budget_mib: float, sizes: Sizes, offload_dir: str) -> tuple[in
 
 def accuracy_run(sizes: Sizes, work: Path) -> dict[str, float]:
     """Validation accuracy of a short ``kaisoku train`` run per saved-activation mode (none, bf16, int8)."""
-    from kaisoku.config import Config
-    from kaisoku.data.datagen import generate
-    from kaisoku.distributed.env import World
-    from kaisoku.engine.build import build_trainer
-
     acc = sizes.accuracy
     data = generate(
         work / "shapes", count=acc["count"], size=acc["size"], val_count=acc["val_count"], workers=1

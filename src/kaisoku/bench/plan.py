@@ -2,7 +2,7 @@
 
 Validation. The slow shared file system of ``kaisoku bench slowfs`` (:class:`kaisoku.bench.netfs.SlowMount`:
 sshfs from another network namespace over a rate-capped veth with a delay proxy) serves a generated JPEG set
-and its kaisoku pack. Per link setting: ``kaisoku probe`` (:func:`kaisoku.probe.probe`) measures the
+and its kaisoku pack. Per link setting: ``kaisoku probe`` (:func:`kaisoku.plan.probe.probe`) measures the
 mount; the loader's own rate from RAM is measured once per node count on an unthrottled copy (the "nodes"
 are processes sharing this machine's cores, so it falls with the node count); the model then predicts
 every strategy. Measured: 1, 2 and 4 "nodes" (gloo ranks, each with its own node cache folders, all reading
@@ -45,11 +45,12 @@ from kaisoku.bench import netfs
 from kaisoku.bench.common import goal, record_and_show
 from kaisoku.bench.imagesets import BATCH, SEED, data_root, image_set, log
 from kaisoku.bench.slowfs_readers import CacheDirs, _file_bytes, node_loader
+from kaisoku.data.format import read_index
 from kaisoku.data.shuffle import ShuffleSpec
 from kaisoku.distributed.spawn import run_ranks
-from kaisoku.plan_cluster import cluster_from_dict, load_cluster, load_dataset
-from kaisoku.plan_model import BLOCK_SHARDS, Dataset, predict, recommend, run_seconds, strategies
-from kaisoku.probe import probe
+from kaisoku.plan.cluster import cluster_from_dict, load_cluster, load_dataset
+from kaisoku.plan.model import BLOCK_SHARDS, Dataset, predict, recommend, run_seconds, strategies
+from kaisoku.plan.probe import probe
 
 NAME = "plan"
 THREADS = 2
@@ -160,8 +161,6 @@ def _machine(profile: dict[str, Any], nodes: int, loader_rate: float, capacity: 
 def _loader_rate(pack: Path, nodes: int, work: Path) -> float:
     """Samples/s of one node's loader from its RAM tier with ``nodes`` nodes running (second epoch,
     unthrottled; the median of 3 runs)."""
-    from kaisoku.data.format import read_index
-
     seconds = statistics.median(measure_cell("staged-global", nodes, pack, [], work)[1] for _ in range(3))
     return read_index(pack).num_samples / nodes / seconds
 

@@ -28,6 +28,12 @@ from typing import Any
 import torch
 
 from kaisoku.bench.common import fast_bf16, goal, locate_mnist, record_and_show
+from kaisoku.bench.parallel_mnist import _packed_mnist
+from kaisoku.config import Config
+from kaisoku.data.datagen import generate
+from kaisoku.data.writer import pack
+from kaisoku.distributed.env import World
+from kaisoku.engine.build import build_trainer
 from kaisoku.run_facts import check_config
 
 #: Mode label -> ``precision.*`` settings.
@@ -96,8 +102,6 @@ def plan(quick: bool) -> dict[str, Any]:
 def train_config(task: Task, data: Path, run_dir: Path, seed: int, mode: str) -> Any:
     """The ``kaisoku train`` config of one run: the task's optimizer, cosine over exactly one epoch of
     ``task.steps`` steps, validation only at the end, no checkpoints in between."""
-    from kaisoku.config import Config
-
     cfg = Config(run_dir=str(run_dir))
     cfg.data.path = str(data)
     cfg.data.image_size = task.image_size
@@ -129,9 +133,6 @@ def _one_run(task: Task, data: str, work: str, seed: int, mode: str) -> dict[str
     import contextlib
     import io
 
-    from kaisoku.distributed.env import World
-    from kaisoku.engine.build import build_trainer
-
     torch.set_num_threads(1)
     cfg = train_config(task, Path(data), Path(work) / f"{task.name}-{mode}-{seed}", seed, mode)
     check_config(cfg, 1)
@@ -160,13 +161,9 @@ def _mean_of(totals: dict[str, Any], tensor: str, key: str) -> float | None:
 
 def _prepare(task: Task, work: Path, mnist: Path | None) -> Path | None:
     """The packed dataset of ``task`` under ``work`` (None: MNIST absent)."""
-    from kaisoku.data.datagen import generate
-    from kaisoku.data.writer import pack
-
     if task.name == "mnist":
         if mnist is None:
             return None
-        from kaisoku.bench.parallel_mnist import _packed_mnist
 
         sub = work / "mnist"
         sub.mkdir(parents=True, exist_ok=True)

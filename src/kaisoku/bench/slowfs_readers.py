@@ -22,11 +22,17 @@ from torch.utils.data import DataLoader, Dataset
 
 from kaisoku.bench import netfs
 from kaisoku.bench.imagesets import BATCH, SEED, WORKERS, flip_transform
+from kaisoku.config import Config
+from kaisoku.config_sections import ByteSize
 from kaisoku.data.dataset import ShardedDataset
 from kaisoku.data.loader import ShardLoader
 from kaisoku.data.shuffle import ShuffleSpec
 from kaisoku.data.transforms import collate
+from kaisoku.distributed.env import World
 from kaisoku.distributed.spawn import run_ranks
+from kaisoku.engine.data_build import shard_loader
+from kaisoku.run_facts import plan_run
+from kaisoku.run_plan import WorldShape
 
 
 def _file_bytes(path: str) -> bytes:
@@ -162,13 +168,6 @@ def node_loader(
     node cache in ``dirs`` (local folder + RAM tier, each holding the whole set), ``workers`` decoding
     threads (``data.workers``), 2 epochs. ``mode`` ``io`` leaves images encoded (:class:`EncodedSize`),
     ``e2e`` decodes and flips them (:func:`flip_transform`)."""
-    from kaisoku.config import Config
-    from kaisoku.config_sections import ByteSize
-    from kaisoku.distributed.env import World
-    from kaisoku.engine.data_build import shard_loader
-    from kaisoku.run_facts import plan_run
-    from kaisoku.run_plan import WorldShape
-
     ram, local = dirs.node(f"node{rank}")
     cfg = Config()
     cfg.data.path = pack_dir

@@ -13,6 +13,7 @@ import io
 import threading
 from typing import Protocol
 
+from kaisoku.data.delta import DeltaCodec, parse_delta
 from kaisoku.errors import KaisokuError
 
 ZSTD_LEVEL = 3
@@ -91,8 +92,6 @@ class Lz4Codec:
 
 def _delta(error_bound: str = "0") -> Codec:
     """The frame-predictive codec of :mod:`kaisoku.data.delta` (``delta``, ``delta@E``, ``delta@log1p:E``)."""
-    from kaisoku.data.delta import DeltaCodec, parse_delta
-
     bound, mode = parse_delta(error_bound)
     return DeltaCodec(bound, error_mode=mode)
 

@@ -300,6 +300,7 @@ def ensure_cosmo_dataset(
     Safe when several ranks ask at once (a file lock); what ``cosmoflow-cpu`` trains on when no
     ``data.path`` is given.
     """
+    # start-up: packing and the generator load only when the set must be made
     from kaisoku.data.datagen import _locked
     from kaisoku.data.writer import pack
 

@@ -43,11 +43,6 @@ class ExchangePlan:
     recv: tuple[np.ndarray, ...]
 
     @property
-    def num_sent(self) -> int:
-        """Records this rank sends."""
-        return sum(int(x.size) for x in self.send)
-
-    @property
     def num_received(self) -> int:
         """Records this rank receives."""
         return sum(int(x.size) for x in self.recv)

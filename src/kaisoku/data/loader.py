@@ -25,7 +25,7 @@ from kaisoku.data.batches import ThreadedBatches
 from kaisoku.data.cache import NodeCache, auto_local_capacity
 from kaisoku.data.counters import LoaderCounters
 from kaisoku.data.dataset import ShardedDataset
-from kaisoku.data.exchange import RecordStore
+from kaisoku.data.exchange import RecordStore, exchange_for_epoch
 from kaisoku.data.format import INDEX_NAME
 from kaisoku.data.quality import shuffle_quality
 from kaisoku.data.sampler import EpochSampler, KeyedMicroBatches
@@ -151,8 +151,6 @@ class ShardLoader:
         """Finish set-up once the process group exists: the token naming shared files, the exchange."""
         self.run_token = run_token
         if self.needs_exchange:
-            from kaisoku.data.exchange import exchange_for_epoch
-
             self.exchange = functools.partial(exchange_for_epoch, group=exchange_group)
 
     # -- the trainer's sampler protocol ------------------------------------------------------------

@@ -145,11 +145,6 @@ class EpochSampler:
         self.rank, self.world_size = int(shard), int(shards)
 
     @property
-    def local_batch(self) -> int:
-        """Samples per rank per step."""
-        return self.global_batch // self.world_size
-
-    @property
     def num_samples(self) -> int:
         """Samples in the dataset."""
         return int(self.shard_sizes.sum())

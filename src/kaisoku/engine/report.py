@@ -252,8 +252,9 @@ def data_hint(run_dir: Path, mounts_file: str = "/proc/self/mounts") -> str | No
     ``mounts_file``: the mount table the data path's file-system type is looked up in."""
     import tomllib
 
+    # start-up: the hint's modules load only when a report has data to judge
     from kaisoku.data.folder import is_slow_mount, mount_type
-    from kaisoku.plan_model import strategy_hint
+    from kaisoku.plan.model import strategy_hint
 
     waits = series(read_metrics(run_dir), "data_wait_fraction")[1][1:]  # the first window holds start-up
     config_file = run_dir / "config.toml"

@@ -23,7 +23,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from kaisoku.config import OptimConfig, SchedConfig
 from kaisoku.errors import ConfigError
-from kaisoku.optim.lars import LAMB, LARS
+from kaisoku.optim.lars import LAMB, LARS, count_parameters, lars_eta
 from kaisoku.optim.schedules import WarmupSchedule, schedule_factor
 
 ExcludeT: TypeAlias = Sequence[str] | Callable[[str, Tensor], bool]
@@ -116,9 +116,7 @@ def _lars(groups: list[dict[str, Any]], cfg: OptimConfig) -> Optimizer:
 
 
 def _size_rule_eta(groups: list[dict[str, Any]]) -> float:
-    """``optim.eta = 0``: the trust coefficient of :func:`kaisoku.optim.recipe.lars_eta` for these parameters."""
-    from kaisoku.optim.recipe import count_parameters, lars_eta
-
+    """``optim.eta = 0``: the trust coefficient of :func:`kaisoku.optim.lars.lars_eta` for these parameters."""
     return lars_eta(count_parameters(groups))
 
 

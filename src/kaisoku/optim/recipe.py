@@ -26,37 +26,9 @@ from torch.optim import Optimizer
 
 from kaisoku.errors import ConfigError
 from kaisoku.optim.factory import param_groups
-from kaisoku.optim.lars import LAMB, LARS
+from kaisoku.optim.kfac import KFAC
+from kaisoku.optim.lars import LAMB, LARS, count_parameters, lars_eta
 from kaisoku.optim.schedules import WarmupSchedule, schedule_factor
-
-#: The parameter count at which the ImageNet LARS trust coefficient 0.001 was tuned (ResNet-50).
-ETA_REFERENCE_PARAMS = 25.6e6
-#: Bounds of :func:`lars_eta`.
-ETA_MIN, ETA_MAX = 0.001, 0.08
-
-
-def count_parameters(model_or_groups: nn.Module | list[dict]) -> int:
-    """Trainable values of a model, or of parameter-group dicts (``params`` as tensors or (name, tensor))."""
-    if isinstance(model_or_groups, nn.Module):
-        return sum(p.numel() for p in model_or_groups.parameters() if p.requires_grad)
-    total = 0
-    for group in model_or_groups:
-        for item in group["params"]:
-            total += (item[1] if isinstance(item, tuple) else item).numel()
-    return total
-
-
-def lars_eta(num_params: int) -> float:
-    """The LARS trust coefficient for a model of ``num_params`` values: ``0.001 * (25.6e6 / n) ** 0.6``.
-
-    0.001 is the ImageNet value at ResNet-50's size. Smaller models have fewer, smaller layers whose
-    gradient norm is large relative to the weight norm, so the trust ratio needs a larger coefficient;
-    the power 0.6 puts kaisoku's small-cnn (94 k values) at 0.029 and resnet10 (4.9 M) at 0.0027, inside
-    the range kaisoku's own benchmarks tune to. The result is clipped to [0.001, 0.08].
-    """
-    if num_params < 1:
-        raise ConfigError("lars_eta: the model has no trainable parameters")
-    return min(ETA_MAX, max(ETA_MIN, 0.001 * (ETA_REFERENCE_PARAMS / num_params) ** 0.6))
 
 
 def default_warmup_epochs(batch: int, base_batch: int, epochs: float) -> float:
@@ -193,7 +165,7 @@ class LargeBatchKFAC(NamedTuple):
     """As in :class:`LargeBatch`."""
     loss_fn: nn.CrossEntropyLoss
     """As in :class:`LargeBatch`."""
-    kfac: object
+    kfac: KFAC
     """The :class:`~kaisoku.optim.kfac.KFAC` preconditioner: ``kfac.step()`` after backward, before ``optimizer.step()``."""
 
 
@@ -214,8 +186,6 @@ def large_batch_kfac(
     wrapping the model in DDP or ``torch.compile``. ``factor_dtype="bfloat16"`` keeps the factor statistics
     in bf16 (where the hardware multiplies bf16 natively).
     """
-    from kaisoku.optim.kfac import KFAC
-
     optimizer, scheduler, loss_fn = large_batch(model, **recipe)  # type: ignore[arg-type]
     kfac = KFAC(
         model,

@@ -1,92 +1,94 @@
-"""Saving and restoring a ``KFAC`` preconditioner's state (factors, decompositions, chosen intervals)."""
+"""Saving and restoring a K-FAC preconditioner's layer state (factors, damping floors, decompositions).
+
+The functions take the pieces they read and write, not the preconditioner: ``KFAC.state_dict`` and
+``KFAC.load_state_dict`` hand them over and apply what comes back (the step, a pending refresh, the
+chosen intervals).
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
 from kaisoku.errors import ConfigError
+from kaisoku.optim.kfac.layers import KFACLayer
 
-if TYPE_CHECKING:
-    from kaisoku.optim.kfac.preconditioner import KFAC
+#: Per layer name, per factor: [eigenvectors, eigenvalues] or [inverse], or None when not held here.
+Decompositions = dict[str, list[list[torch.Tensor] | None]]
 
 
-def save_state(kfac: KFAC) -> dict[str, Any]:
-    """Step, factors, damping floors and the decompositions this rank holds (all of them in "full"
-    mode; in "owner" mode only its own, the rest are recomputed from the factors on resume).
+def save_state(
+    *,
+    steps: int,
+    method: str,
+    bn: str,
+    layers: Mapping[str, KFACLayer],
+    decompositions: Decompositions,
+    intervals: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """Step, factors, damping floors, the chosen ``intervals`` and the ``decompositions`` this rank holds.
 
     A local operation (no collective); tensors are copies.
     """
-    layers: dict[str, Any] = {}
-    for name, layer in kfac.layers.items():
+    saved: dict[str, Any] = {}
+    for name, layer in layers.items():
         entry: dict[str, Any] = {
             "factors": [None if f is None else f.detach().clone() for f in layer.factors],
             "damping_floor": layer.damping_floor,
         }
-        if name in kfac._decompositions:
+        if name in decompositions:
             entry["decomposition"] = [
-                None if held is None else [t.detach().clone() for t in held]
-                for held in kfac._decompositions[name]
+                None if held is None else [t.detach().clone() for t in held] for held in decompositions[name]
             ]
-        layers[name] = entry
-    intervals = None if kfac._tuner is None else kfac._tuner.state_dict()
-    return {
-        "steps": kfac.steps,
-        "method": kfac.method,
-        "bn": kfac.bn,
-        "layers": layers,
-        "intervals": intervals,
-    }
+        saved[name] = entry
+    return {"steps": steps, "method": method, "bn": bn, "layers": saved, "intervals": intervals}
 
 
-def load_state(kfac: KFAC, state: dict[str, Any]) -> None:
-    """Restore what ``state_dict()`` saved; the next ``step()`` continues where that run stopped.
+def load_state(
+    state: dict[str, Any],
+    *,
+    method: str,
+    bn: str,
+    layers: Mapping[str, KFACLayer],
+    decompositions: Decompositions,
+    needs_decomposition: Callable[[str, int], bool],
+) -> bool:
+    """Put the saved factors, damping floors and decompositions back into ``layers`` and
+    ``decompositions``; whether a decomposition this rank needs (``needs_decomposition(layer, factor)``)
+    is missing and must be recomputed from the factors at the next step.
 
-    Raises ``ConfigError`` when the saved layers do not match this model's.
+    Decompositions saved by another ``method`` are dropped. Raises ``ConfigError`` when the saved layers
+    or BatchNorm mode do not match this model's.
     """
     saved = state["layers"]
-    if set(saved) != set(kfac.layers):
-        missing = sorted(set(kfac.layers) - set(saved))
-        extra = sorted(set(saved) - set(kfac.layers))
+    if set(saved) != set(layers):
+        missing = sorted(set(layers) - set(saved))
+        extra = sorted(set(saved) - set(layers))
         raise ConfigError(
             "K-FAC state does not match the model: "
             f"layers missing from the state {missing[:5]}, unknown layers in the state {extra[:5]}"
         )
-    if state.get("bn", kfac.bn) != kfac.bn:
-        raise ConfigError(f"K-FAC state was saved with bn='{state['bn']}', this run uses '{kfac.bn}'")
-    same_method = state.get("method") == kfac.method
-    kfac.steps = int(state["steps"])
+    if state.get("bn", bn) != bn:
+        raise ConfigError(f"K-FAC state was saved with bn='{state['bn']}', this run uses '{bn}'")
+    same_method = state.get("method") == method
     refresh = False
-    for name, layer in kfac.layers.items():
+    for name, layer in layers.items():
         entry = saved[name]
         layer.factors = [
             None if f is None else f.detach().to(layer.device, layer.factor_dtype, copy=True)
             for f in entry["factors"]
         ]
         layer.damping_floor = float(entry["damping_floor"])
-        if name not in kfac._decompositions:
+        if name not in decompositions:
             continue
         stored = entry.get("decomposition") if same_method else None
         held: list[list[torch.Tensor] | None] = [None, None]
         for index in range(2):
             if stored is not None and stored[index] is not None:
                 held[index] = [t.detach().to(layer.device, torch.float32, copy=True) for t in stored[index]]
-            needed = kfac.memory_mode == "full" or kfac.owner(name, index) == kfac.comm.rank
-            if layer.factors[index] is not None and needed and held[index] is None:
+            if layer.factors[index] is not None and held[index] is None and needs_decomposition(name, index):
                 refresh = True
-        kfac._decompositions[name] = held
-    kfac._refresh = refresh
-    if kfac._tuner is not None:
-        saved_intervals = state.get("intervals")
-        if saved_intervals:  # a resumed run keeps the intervals its first steps chose
-            kfac._tuner.chosen = (
-                int(saved_intervals["factor_update_steps"]),
-                int(saved_intervals["inv_update_steps"]),
-            )
-            kfac._tuner.measured = {
-                k: float(v) for k, v in saved_intervals.items() if not k.endswith("_steps")
-            }
-            kfac._adopt(kfac._tuner)
-        else:
-            kfac._tuner.restart()
+        decompositions[name] = held
+    return refresh

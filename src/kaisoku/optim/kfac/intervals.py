@@ -161,6 +161,15 @@ class IntervalTuner:
             return None
         return {"factor_update_steps": self.chosen[0], "inv_update_steps": self.chosen[1], **self.measured}
 
+    def load_state_dict(self, saved: dict[str, Any] | None) -> None:
+        """Take back the choice ``state_dict()`` saved; with none (the run stopped while measuring),
+        measure again from the next step."""
+        if not saved:
+            self.restart()
+            return
+        self.chosen = (int(saved["factor_update_steps"]), int(saved["inv_update_steps"]))
+        self.measured = {k: float(v) for k, v in saved.items() if not k.endswith("_steps")}
+
     def restart(self) -> None:
         """Forget the timings (after a resume before the choice was made)."""
         self.samples.clear()

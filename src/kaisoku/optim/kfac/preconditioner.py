@@ -289,12 +289,8 @@ class KFAC:
     @property
     def timings(self) -> dict[str, float]:
         """Cumulative seconds in ``factor`` (statistics and running averages), ``communication``,
-        ``decomposition`` and ``precondition`` since construction or ``reset_timings()``."""
+        ``decomposition`` and ``precondition`` since construction."""
         return dict(self.clock.seconds)
-
-    def reset_timings(self) -> None:
-        """Zero the cumulative timings."""
-        self.clock.seconds.clear()
 
     def remove_hooks(self) -> None:
         """Detach K-FAC from the model."""
@@ -588,11 +584,34 @@ class KFAC:
         """Step, factors, damping floors, the chosen intervals and the decompositions this rank holds
         (all of them in "full" mode; in "owner" mode only its own, the rest are recomputed from the
         factors on resume). A local operation (no collective); tensors are copies."""
-        return save_state(self)
+        return save_state(
+            steps=self.steps,
+            method=self.method,
+            bn=self.bn,
+            layers=self.layers,
+            decompositions=self._decompositions,
+            intervals=None if self._tuner is None else self._tuner.state_dict(),
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` saved; the next ``step()`` continues where that run stopped.
 
         Raises ``ConfigError`` when the saved layers do not match this model's.
         """
-        load_state(self, state)
+        self._refresh = load_state(
+            state,
+            method=self.method,
+            bn=self.bn,
+            layers=self.layers,
+            decompositions=self._decompositions,
+            needs_decomposition=self._needs_decomposition,
+        )
+        self.steps = int(state["steps"])
+        if self._tuner is not None:
+            self._tuner.load_state_dict(state.get("intervals"))
+            if self._tuner.chosen is not None:  # a resumed run keeps the intervals its first steps chose
+                self._adopt(self._tuner)
+
+    def _needs_decomposition(self, layer_name: str, factor_index: int) -> bool:
+        """Whether this rank uses the decomposition of that factor (all of them in "full" mode)."""
+        return self.memory_mode == "full" or self.owner(layer_name, factor_index) == self.comm.rank

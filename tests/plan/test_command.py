@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from kaisoku.errors import ConfigError
-from kaisoku.plan import cmd_plan, plan_record
-from kaisoku.plan_cluster import cluster_from_dict, load_cluster, load_dataset
-from kaisoku.plan_model import (
+from kaisoku.plan.cluster import cluster_from_dict, load_cluster, load_dataset
+from kaisoku.plan.command import cmd_plan, plan_record
+from kaisoku.plan.model import (
     MB,
     Cluster,
     Dataset,
@@ -23,9 +23,10 @@ from kaisoku.plan_model import (
     recommend,
     staged_first_epoch,
     strategies,
+    strategy_hint,
 )
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "clusters"
 
 
 def _cluster(**changes: object) -> Cluster:
@@ -229,8 +230,6 @@ def test_missing_key_and_bad_dataset(tmp_path: Path) -> None:
 
 
 def test_strategy_hint_names_a_change_only_when_waiting() -> None:
-    from kaisoku.plan_model import strategy_hint
-
     assert strategy_hint(0.05, staged=True, shuffle="global", exchange=0.0, local_cache=False) is None
     line = strategy_hint(0.5, staged=True, shuffle="global", exchange=0.0, local_cache=False)
     assert line is not None and "--data.local-cache" in line and "2.0x" in line and "\n" not in line

@@ -8,7 +8,8 @@ Measured, each within a share of ``--seconds``:
 * write and read bandwidth of a node-local folder (``--local``, default the system's temporary folder)
   and of the RAM tier (/dev/shm);
 * with ``--train CONFIG``: the compute time of one training step of that ``kaisoku train`` config
-  (:func:`measure_step`), written as ``[compute] step_seconds`` and ``batch_per_rank``.
+  (:func:`measure_step`), written as ``[compute] step_seconds`` and ``batch_per_rank``; the config is
+  resolved by the function :func:`cmd_probe` is handed (the command line's, which ``kaisoku train`` uses).
 
 The page cache is dropped before every read pass where this process may (root, /proc/sys/vm/drop_caches);
 otherwise each pass reads files no earlier pass touched and the profile says the cache was not dropped.
@@ -30,9 +31,13 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kaisoku.command_parser import CommandParser
 from kaisoku.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kaisoku.config import Config
 
 READERS = (1, 2, 4, 8, 16)
 SMALL_BYTES = 1536
@@ -307,21 +312,20 @@ def probe(
     return profile
 
 
-def measure_step(config: str | Path, *, seconds: float = 10.0, ranks: int = 0) -> dict[str, Any]:
-    """Compute time of one training step of the ``kaisoku train`` config file ``config`` (TOML over the
-    default preset): the model and optimizer ``kaisoku train`` builds (same builders), forward, loss,
+def measure_step(cfg: Config, *, config: str | Path, seconds: float = 10.0, ranks: int = 0) -> dict[str, Any]:
+    """Compute time of one training step of ``cfg``, the ``kaisoku train`` config read from the file
+    ``config``: the model and optimizer ``kaisoku train`` builds (same builders), forward, loss,
     backward and optimizer step on a random batch of the per-rank size, timed after 2 warm-up steps for
     up to ``seconds`` (at least 3 steps); the median. ``ranks``: ranks the global batch is split over
     (0: the config's ``dist.nproc``, or 1)."""
     import statistics
 
+    # start-up: torch, the model zoo and the optimizers load only when --train asks for a step time
     import torch
 
-    from kaisoku.cli import resolve_config
     from kaisoku.models.zoo import build_model
     from kaisoku.optim.factory import build_optimizer
 
-    cfg, _ = resolve_config(["--config", str(config)])
     world = ranks or max(1, cfg.dist.nproc)
     batch = max(1, cfg.data.global_batch // world // max(1, cfg.train.grad_accum))
     device = torch.device(
@@ -369,14 +373,15 @@ def measure_step(config: str | Path, *, seconds: float = 10.0, ranks: int = 0) -
     }
 
 
-def cmd_probe(argv: Sequence[str]) -> int:
-    """``kaisoku probe PATH [--out machine.toml] [--seconds S] [--local DIR]``."""
+def cmd_probe(argv: Sequence[str], *, train_config: Callable[[str], Config]) -> int:
+    """``kaisoku probe PATH [--out machine.toml] [--seconds S] [--local DIR] [--train CONFIG [--ranks N]]``.
+
+    ``train_config(path)`` turns the ``--train`` file into the Config ``kaisoku train`` would run with.
+    """
     import tomli_w
     from rich.progress import Progress
 
-    from kaisoku.cli import _Parser
-
-    parser = _Parser(
+    parser = CommandParser(
         prog="kaisoku probe",
         description=(
             "Measure the file system holding PATH (sequential and small-file reads vs readers) and this "
@@ -400,6 +405,8 @@ def cmd_probe(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     if args.seconds <= 0:
         raise ConfigError(f"--seconds must be > 0 (got {args.seconds})")
+    # A bad --train config stops here, before the file system is measured.
+    train_cfg = train_config(args.train) if args.train else None
     with Progress(transient=True, disable=not sys.stderr.isatty()) as bar:
         task = bar.add_task("probe", total=1.0)
 
@@ -407,8 +414,9 @@ def cmd_probe(argv: Sequence[str]) -> int:
             bar.update(task, completed=fraction, description=what)
 
         profile = probe(args.path, seconds=args.seconds, local=args.local or None, progress=report)
-    if args.train:
-        step = measure_step(args.train, seconds=min(30.0, max(1.0, args.seconds / 4)), ranks=args.ranks)
+    if train_cfg is not None:
+        seconds = min(30.0, max(1.0, args.seconds / 4))
+        step = measure_step(train_cfg, config=args.train, seconds=seconds, ranks=args.ranks)
         profile["compute"] = {"step_seconds": step["step_seconds"], "batch_per_rank": step["batch_per_rank"]}
         profile["probe"]["compute_method"] = f"{step['method']}; config {step['config']}"
     header = (

@@ -368,13 +368,6 @@ def recommend(
     )
 
 
-def scaled_cluster(cluster: Cluster, nodes: int) -> Cluster:
-    """The cluster at another node count (per-node figures unchanged; the shared FS tables are global)."""
-    from dataclasses import replace
-
-    return replace(cluster, nodes=nodes)
-
-
 def strategy_hint(
     wait_fraction: float, *, staged: bool, shuffle: str, exchange: float, local_cache: bool
 ) -> str | None:

@@ -1,4 +1,4 @@
-"""``kaisoku plan``: which staging and shuffle to use on a cluster, from the model in :mod:`kaisoku.plan_model`.
+"""``kaisoku plan``: which staging and shuffle to use on a cluster, from the model in :mod:`kaisoku.plan.model`.
 
 Prints a table of every strategy's predicted first and steady epoch time, AU, local footprint, network
 volume and shuffle quality, the recommendation with its reason, and the exact ``kaisoku train`` flags;
@@ -11,16 +11,18 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kaisoku.command_parser import CommandParser
+from kaisoku.data.quality import shuffle_quality
+from kaisoku.data.shuffle import ShuffleSpec, epoch_order, partial_plan
 from kaisoku.errors import ConfigError
-from kaisoku.plan_cluster import load_cluster, load_dataset
-from kaisoku.plan_model import (
+from kaisoku.plan.cluster import load_cluster, load_dataset
+from kaisoku.plan.model import (
     Cluster,
     Dataset,
     Prediction,
@@ -41,9 +43,6 @@ PLOT_NODES = tuple(2**k for k in range(13))  # 1 .. 4096
 def _quality(
     shuffle: str, exchange: float, shards: int, per_shard: int, nodes: int, node_batch: int
 ) -> float:
-    from kaisoku.data.quality import shuffle_quality
-    from kaisoku.data.shuffle import ShuffleSpec, epoch_order, partial_plan
-
     sizes = np.full(shards, per_shard, dtype=np.int64)
     global_batch = node_batch * nodes
     if shuffle == "partial":
@@ -119,7 +118,7 @@ def plan_record(
             "why": why,
             "flags": train_flags(best.strategy, cluster, dataset),
         },
-        "model": "kaisoku.plan_model (see its docstring); figures are predictions, not measurements",
+        "model": "kaisoku.plan.model (see its docstring); figures are predictions, not measurements",
     }
 
 
@@ -246,9 +245,7 @@ def plot(cluster: Cluster, dataset: Dataset, path: Path) -> bool:
 
 def cmd_plan(argv: Sequence[str]) -> int:
     """``kaisoku plan --cluster C.toml --dataset D [--nodes N] [--au 0.9] [--json] [--plot FILE.png]``."""
-    from kaisoku.cli import _Parser
-
-    parser = _Parser(
+    parser = CommandParser(
         prog="kaisoku plan",
         description=(
             "Predict first and steady epoch time, accelerator utilisation (AU), local footprint and network "
@@ -287,8 +284,3 @@ def cmd_plan(argv: Sequence[str]) -> int:
     if args.plot and plot(cluster, dataset, Path(args.plot)) and not args.json:
         print(f"wrote {args.plot}")
     return 0
-
-
-def describe(cluster: Cluster) -> dict[str, Any]:
-    """The cluster as plain values (for records)."""
-    return asdict(cluster)

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-import kaisoku.probe as probe_module
-from kaisoku.plan_cluster import load_cluster
-from kaisoku.probe import cmd_probe, probe
+import kaisoku.plan.probe as probe_module
+from kaisoku.cli import cmd_probe
+from kaisoku.errors import ConfigError
+from kaisoku.plan.cluster import load_cluster
+from kaisoku.plan.probe import probe
 
 
 def test_probe_writes_a_profile_that_plan_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -54,3 +56,14 @@ def test_read_only_path_measures_existing_files(
     assert 2000 <= profile["shared_fs"]["small_file_bytes"] < 4000
     names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
     assert names == sorted([*(f"f{i}.bin" for i in range(20)), "large.bin"])
+
+
+def test_bad_train_config_stops_before_measuring(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text("[data]\nglobal_batch = 0\n")
+    out = tmp_path / "machine.toml"
+    # Read as kaisoku train --config reads it: the batch is refused before any pass runs.
+    with pytest.raises(ConfigError, match="data.global_batch"):
+        cmd_probe([str(tmp_path), "--out", str(out), "--seconds", "30", "--train", str(config)])
+    assert not out.exists()
+    assert not any(p.name.startswith("kaisoku-probe-") for p in tmp_path.iterdir())

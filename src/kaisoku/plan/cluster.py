@@ -23,8 +23,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from kaisoku.data.format import read_index
 from kaisoku.errors import ConfigError
-from kaisoku.plan_model import MB, Cluster, Dataset, RateTable
+from kaisoku.plan.model import MB, Cluster, Dataset, RateTable
 from kaisoku.units import parse_bytes
 
 _SECTIONS = {
@@ -199,7 +200,6 @@ def load_dataset(spec: str | Path) -> Dataset:
         raise ConfigError(
             f"--dataset {spec}: neither a .toml description nor a packed dataset (no index.json)"
         )
-    from kaisoku.data.format import read_index
 
     index = read_index(index_file.parent)
     sizes = index.shard_nbytes()
