@@ -231,3 +231,24 @@ def test_a_read_only_run_folder_is_one_line(tmp_path: Path, packed: Path) -> Non
         f"kaisoku: error: cannot write to run folder {readonly / 'run'} (Read-only file system); "
         "choose a writable --run-dir"
     ]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="engine/data_build.py data_conflict reads the index while the config is validated, before the "
+    "run folder exists; it must leave a broken index to the ranks (see the closing report)",
+)
+@pytest.mark.timeout(300)
+def test_a_broken_index_exits_3_with_a_run_folder_and_run_json(tmp_path: Path, packed: Path) -> None:
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(packed, broken)
+    index = broken / "train" / "index.json"
+    index.write_text(index.read_text()[:40])
+    run_dir = tmp_path / "run"
+    result = _run(train_args(broken, run_dir, "--model.name", "small-cnn"))
+    assert result.returncode == 3, result.stderr
+    cause, hint = _two_lines(result.stderr)
+    assert "index.json" in cause and "kaisoku inspect" in hint
+    assert json.loads((run_dir / "run.json").read_text())["failure"] == "data"

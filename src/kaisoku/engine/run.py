@@ -78,8 +78,10 @@ def train_on_local_ranks(cfg: Config, nproc: int, *, rank_entry: Sequence[str] |
         code = failures.report_launch(
             run_dir, seen, interrupted=result.interrupted, resume=cfg.checkpoint.resume
         )
-        with contextlib.suppress(KaisokuError):
-            write_report(run_dir)  # the crashed run's page, for a look at what led up to it
+        # The crashed run's page, for a look at what led up to it; a convenience that must not bury the
+        # two lines above under a traceback of its own (e.g. a full disk, which may be why the run failed).
+        with contextlib.suppress(KaisokuError, OSError, RuntimeError, ValueError):
+            write_report(run_dir)
         return code
     finally:
         lock.release()
