@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kaisoku.data.cache import NodeCacheError
 from kaisoku.data.records import CorruptRecordError
 from kaisoku.engine.divergence import NonFiniteError
-from kaisoku.data.cache import NodeCacheError
 from kaisoku.engine.failures import Failure, classify, decide, print_failure
 
 
