@@ -7,6 +7,7 @@ files and import the user's code, so they live apart from the pure :func:`kaisok
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +72,9 @@ def describe_data(cfg: Config, parts: UserParts | None = None) -> DataFacts:
         )
     try:
         index = read_index(packed[0])
-    except KaisokuError as error:
-        raise ConfigError(str(error)) from None
+    except KaisokuError:
+        # A damaged index is a data failure, said where the data is opened (exit 3, with a run folder).
+        return DataFacts(source="packed", readable=False, root=str(path), description=f"data.path {path}")
     task = "regression" if index.task == "regression" else "classification"
     stored = next((list(f.shape or []) for f in index.fields if f.name in ("x", "image")), [])
     facts: dict[str, Any] = {}
@@ -186,7 +188,7 @@ def describe_model(cfg: Config, data: DataFacts, parts: UserParts | None = None)
     if parts is None or parts.model is None:
         if not is_zoo_model(cfg.model.name):
             build_model(cfg.model.name, num_classes=1)  # the one-line error listing the choices
-        if spec.task == "classification" and spec.num_classes < 1:
+        if spec.task == "classification" and spec.num_classes < 1 and data.readable:
             raise ConfigError(
                 f"model.num_classes: {data.description or 'the dataset'} does not say how many classes it "
                 "has; set model.num_classes"
@@ -194,7 +196,10 @@ def describe_model(cfg: Config, data: DataFacts, parts: UserParts | None = None)
     if parts is not None and isinstance(parts.model, nn.Module):
         model = parts.model
     else:
-        with torch.device("meta"):
+        # Built only to count its blocks and name its layers: nothing is initialised, so init warnings
+        # (e.g. a zero-class head while the index is unreadable) say nothing about the run.
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             model = make_model(cfg, spec, parts)
     try:
         count: int | None = len(ordered_blocks(model))

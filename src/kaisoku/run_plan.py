@@ -73,6 +73,8 @@ class DataFacts:
     """Whether a validation split exists."""
     root: str = ""
     """The dataset folder (packed or image folder); "" for the user's dataset."""
+    readable: bool = True
+    """False where the index could not be read: the ranks report that, with the run folder, as a data failure."""
     description: str = ""
     """How a message names the data, e.g. ``data.path /d holds images [32, 32, 3] (classification)``."""
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kaisoku.data.cache import NodeCacheError
 from kaisoku.data.records import CorruptRecordError
 from kaisoku.engine.divergence import NonFiniteError
 from kaisoku.engine.failures import Failure, classify, decide, print_failure
@@ -68,7 +69,8 @@ def test_resume_is_suggested_only_when_a_checkpoint_can_help(
     assert first[0] == "kaisoku: error: rank 1 on h died (signal SIGKILL) (at step 5)"
     assert (
         first[1]
-        == f"kaisoku: rerun (there is no checkpoint to resume from yet); full logs in {tmp_path / 'logs'}"
+        == f"kaisoku: rerun with --resume auto (there is no checkpoint yet: it starts over); full logs in "
+        f"{tmp_path / 'logs'}"
     )
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "step-00000004.pt").write_bytes(b"")
@@ -76,3 +78,38 @@ def test_resume_is_suggested_only_when_a_checkpoint_can_help(
     assert "rerun with --resume auto to continue from checkpoint step 4" in capsys.readouterr().err
     print_failure(Failure("data", "bad record", "re-pack it", step=5), tmp_path)
     assert "--resume" not in capsys.readouterr().err
+
+
+def test_a_hint_never_suggests_what_the_run_already_has(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    diverged = NonFiniteError("training diverged: the loss went non-finite at step 9")
+    assert "--train.on-nonfinite rollback" in classify(diverged).hint
+    assert "on-nonfinite" not in classify(diverged, on_nonfinite="rollback").hint
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "step-00000004.pt").write_bytes(b"")
+    print_failure(Failure("peer", "rank 1 on h died", resumable=True, step=5), tmp_path, resume="auto")
+    hint = capsys.readouterr().err.splitlines()[1]
+    assert "rerun the same command to continue from checkpoint step 4" in hint and "--resume" not in hint
+
+
+def test_what_the_launcher_s_stop_breaks_is_not_the_rank_s_own_cause() -> None:
+    # The launcher's SIGTERM goes to the rank's whole process group: its loader worker dies of it too.
+    worker = RuntimeError("DataLoader worker (pid 8626) is killed by signal: Terminated. ")
+    assert classify(worker).kind == "stopped"
+    try:
+        try:
+            raise SystemExit(143)  # what the rank's SIGTERM handler raises
+        except SystemExit:
+            raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed. ") from None
+    except RuntimeError as during_stop:
+        assert classify(during_stop).kind == "stopped"
+    # A worker killed on its own (the OOM killer's SIGKILL) is still the rank's cause.
+    assert classify(RuntimeError("DataLoader worker (pid 9) is killed by signal: Killed. ")).kind == "unknown"
+
+
+def test_an_unwritable_ram_dir_is_not_damaged_data() -> None:
+    error = NodeCacheError("cannot write to data.ram_dir /x (Read-only file system); set --data.ram-dir ...")
+    failure = classify(error, data="/d")
+    assert failure.kind == "error" and failure.cause.startswith("cannot write to data.ram_dir /x")
+    assert "inspect" not in failure.hint and "re-pack" not in failure.cause

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kaisoku.engine.metrics import MetricsLogger, peak_memory_mib, print_summary
+from kaisoku.engine.metrics import MetricsLogger, peak_memory_mib, print_summary, summary_rows
 
 
 def _logger(run_dir: Path | None, *, enabled: bool = True, **options: bool) -> MetricsLogger:
@@ -155,3 +155,31 @@ def test_peak_memory_on_cuda_is_max_allocated_in_mib() -> None:
     assert peak_memory_mib(device) == torch.cuda.max_memory_allocated(device) / 2**20
     assert peak_memory_mib(device) >= 32
     del buffer
+
+
+def test_a_resumed_run_drops_the_lines_after_its_checkpoint_and_marks_the_resume(tmp_path: Path) -> None:
+    lines = [{"event": "start"}, *({"step": s, "loss": 1.0 / s} for s in range(1, 8))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 8, "lo')
+    logger = MetricsLogger(tmp_path, enabled=True, total_steps=10, progress=False, tensorboard=False)
+    logger.log({"event": "start"})
+    logger.continue_from(4, restart=1)
+    logger.log({"step": 5, "loss": 0.5})
+    logger.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5]  # each step once: 5..8 of the killed attempt are gone
+    assert [r for r in records if r.get("event") == "resume"][0] == {**records[-2], "step": 4, "restart": 1}
+
+
+def test_the_summary_shows_io_counters_only_for_the_data_path_in_play() -> None:
+    summary = {
+        "steps": 10,
+        "final_loss": 0.5,
+        "skipped_records": 0.0,
+        "source_bytes": 9.0,
+        "exchanged_bytes": 0.0,
+    }
+    assert [k for k, _ in summary_rows(summary)] == ["steps", "final_loss"]
+    assert [k for k, _ in summary_rows(summary, staging=True)] == ["steps", "final_loss", "source_bytes"]
+    shown = [k for k, _ in summary_rows({**summary, "skipped_records": 2.0}, exchange=True)]
+    assert shown == ["steps", "final_loss", "skipped_records", "exchanged_bytes"]

@@ -29,6 +29,7 @@ when resuming), then per epoch ``sampler.set_epoch(e)`` and ``cache.mark_progres
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import mmap
 import os
@@ -64,6 +65,7 @@ from kaisoku.data.stager import (
 from kaisoku.data.staging import CacheEvent, StagingSchedule, sampler_trace_fn
 from kaisoku.errors import KaisokuError
 from kaisoku.fsutil import atomic_write_text
+from kaisoku.owner import describe, is_gone, this_process
 
 if TYPE_CHECKING:
     from kaisoku.data.sampler import EpochSampler
@@ -103,6 +105,59 @@ def auto_local_capacity(local_dir: str | os.PathLike[str], *, announce: bool = T
             local_dir, usage.free / gib, margin / gib,
         )  # fmt: skip
     return capacity
+
+
+class NodeCacheError(KaisokuError):
+    """A directory of the node cache cannot be used (not the dataset: the data itself is fine)."""
+
+
+TIER_OWNER = "owner.json"
+"""The file in a run's RAM directory that names the process owning it (host, pid, start time)."""
+
+
+def claim_tier(directory: str | os.PathLike[str]) -> None:
+    """Record this process as the owner of a run's RAM directory, so that a later start can reclaim it
+    once this process is gone (:func:`reclaim_dead_tiers`); NodeCacheError when it cannot be written."""
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path / TIER_OWNER, json.dumps(this_process()))
+    except OSError as error:
+        raise _unwritable_ram_dir(path, error) from None
+
+
+def remove_tier(directory: str | os.PathLike[str]) -> None:
+    """Delete a run's RAM directory (its tier, control files, exchanged samples and owner record)."""
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def reclaim_dead_tiers(root: str | os.PathLike[str]) -> list[tuple[Path, str]]:
+    """Delete the run directories under ``root`` (``data.ram_dir``) whose owner has ended on this host.
+
+    Returns (directory, owner) of each one removed. Directories owned by a live process, by another
+    host, or without an owner record are left alone.
+    """
+    removed: list[tuple[Path, str]] = []
+    try:
+        entries = sorted(Path(root).expanduser().iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        try:
+            owner = json.loads((entry / TIER_OWNER).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(owner, dict) and is_gone(owner) is True:
+            remove_tier(entry)
+            removed.append((entry, describe(owner)))
+    return removed
+
+
+def _unwritable_ram_dir(path: Path, error: OSError) -> NodeCacheError:
+    return NodeCacheError(
+        f"cannot write to data.ram_dir {path} ({error.strerror or error}); "
+        "set --data.ram-dir to a writable directory (e.g. under /dev/shm)"
+    )
 
 
 class NodeCache:
@@ -258,10 +313,7 @@ class NodeCache:
                 slots=self.reader_slots,
             )
         except OSError as error:
-            raise KaisokuError(
-                f"cannot prepare the node cache in {self.ram_dir} ({error.strerror or error}); "
-                "set data.ram_dir to a writable directory (e.g. under /dev/shm)"
-            ) from error
+            raise _unwritable_ram_dir(self.ram_dir, error) from error
 
     def _prepare_local(self) -> bool:
         """Prepare the local tier's directory (keeping staged shards that check out, see the class docs);

@@ -11,6 +11,7 @@ launcher (one process, or an outside torchrun or srun) the rank prints the two l
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -22,8 +23,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
+from kaisoku.data.cache import NodeCacheError
 from kaisoku.engine.divergence import NonFiniteError
 from kaisoku.errors import KaisokuError
 from kaisoku.fsutil import atomic_write_text
@@ -55,6 +57,9 @@ _PEER_SIGNS = (
     "timed out",
 )
 _WRAPPED = re.compile(r"^(kaisoku\.[\w.]+)\.(\w+Error): (.+)$", re.MULTILINE)
+# A loader worker stopped by the launcher's SIGTERM (to the rank's whole process group) in the teardown.
+_WORKER_STOPPED = re.compile(r"DataLoader worker \(pid\(?s?\)? [\d, ]+\) is killed by signal: Terminated")
+_STOP_SIGNALLED = [False]  # set by on_stop_signal: from then on, any error is the teardown's doing
 
 
 @dataclass
@@ -73,6 +78,8 @@ class Failure:
     host: str = ""
     step: int | None = None
     time: float = 0.0
+    attempt: int = 0
+    """The launcher's restart attempt (0: the first start) the rank failed in."""
 
     @property
     def exit_code(self) -> int:
@@ -99,23 +106,51 @@ def _from_data_code(error: BaseException) -> bool:
     return bool(frames) and f"kaisoku{os.sep}data{os.sep}" in frames[-1].filename
 
 
+def on_stop_signal(signum: int, frame: object) -> None:
+    """SIGTERM handler of a rank: the launcher stops it after another rank failed; leave through Python.
+
+    Remembered, so that what the stop breaks on the way out (a loader worker killed by the same
+    signal, a peer's closed connection) is not taken for this rank's own failure.
+    """
+    _STOP_SIGNALLED[0] = True
+    raise SystemExit(128 + signum)
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
 def classify(
-    error: BaseException, *, device: str = "", skip_corrupt: bool = False, data: str = ""
+    error: BaseException,
+    *,
+    device: str = "",
+    skip_corrupt: bool = False,
+    data: str = "",
+    on_nonfinite: str = "stop",
 ) -> Failure:
-    """The failure class, cause line and hint of an exception raised on a rank."""
+    """The failure class, cause line and hint of an exception raised on a rank.
+
+    ``skip_corrupt`` and ``on_nonfinite`` are the run's settings, so that no hint suggests what is set.
+    """
     message = str(error).strip()
     first = message.splitlines()[0] if message else ""
     if isinstance(error, KeyboardInterrupt):
         return Failure("interrupt", "interrupted")
-    if isinstance(error, SystemExit):
+    stopped = _STOP_SIGNALLED[0] or _WORKER_STOPPED.search(message) is not None
+    if stopped or any(isinstance(link, SystemExit) for link in _chain(error)):
         return Failure("stopped", "stopped by the launcher after another rank failed")
     if isinstance(error, NonFiniteError):
-        return Failure(
-            "nonfinite",
-            message,
-            "lower --optim.lr (or lengthen --sched.warmup-epochs), or set --train.on-nonfinite rollback",
-            resumable=True,
-        )
+        remedy = "lower --optim.lr (or lengthen --sched.warmup-epochs)"
+        if on_nonfinite != "rollback":
+            remedy += ", or set --train.on-nonfinite rollback"
+        return Failure("nonfinite", message, remedy, resumable=True)
+    if isinstance(error, NodeCacheError):  # a directory of the node cache, not the dataset
+        return Failure("error", first)
     # A DataLoader worker's exception comes back wrapped, with the original type in its text.
     wrapped = _WRAPPED.findall(message) if "DataLoader worker" in message else []
     if wrapped and wrapped[-1][0].startswith("kaisoku"):
@@ -131,8 +166,8 @@ def classify(
         return Failure(
             "oom",
             f"out of memory on {device or 'this device'}",
-            "lower --data.global-batch, or raise --train.grad-accum (same global batch, smaller "
-            "micro-batches)",
+            "raise --train.grad-accum (same global batch, smaller micro-batches), or lower "
+            "--data.global-batch in a new --run-dir",
             resumable=True,
         )
     if type(error).__name__ == "DistBackendError" or any(sign in message for sign in _PEER_SIGNS):
@@ -155,15 +190,49 @@ def record_path(run_dir: Path, rank: int) -> Path:
     return log_dir(run_dir) / f"failure-rank-{rank}.json"
 
 
+class _TerminalWarnings(logging.Handler):
+    """kaisoku's warnings on the terminal as ``kaisoku: warning: ...`` (one line each), besides the log."""
+
+    def __init__(self, terminal: TextIO) -> None:
+        super().__init__(logging.WARNING)
+        self.terminal = terminal
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = " ".join(record.getMessage().split())  # one line, however the message was written
+            self.terminal.write(f"kaisoku: warning: {text}\n")
+            self.terminal.flush()
+        except Exception:  # noqa: BLE001 - a closed terminal must not stop training
+            self.handleError(record)
+
+
+def warnings_to_terminal(terminal: TextIO) -> None:
+    """Show the warnings of kaisoku's loggers (node cache, staging, loader) on ``terminal`` too.
+
+    Under the launcher the rank's stderr is its log; the warning then goes to both.
+    """
+    logger = logging.getLogger("kaisoku")
+    logger.handlers = [h for h in logger.handlers if not isinstance(h, _TerminalWarnings)]
+    logger.addHandler(_TerminalWarnings(terminal))
+    if terminal is not sys.stderr:
+        log_handler = logging.StreamHandler(sys.stderr)
+        log_handler.setLevel(logging.WARNING)
+        logger.addHandler(log_handler)
+    logger.propagate = False  # the root's last-resort handler would print each warning a second time
+
+
 def redirect_to_log(run_dir: Path, rank: int, *, keep_stdout: bool) -> Path:
     """Send this process's stderr (and stdout unless ``keep_stdout``) to ``RUN_DIR/logs/rank-N.log``.
 
     File descriptors are redirected, so C++ messages (gloo, ``terminate called ...``) land there too.
+    With ``keep_stdout`` (rank 0) kaisoku's warnings still reach the terminal's stderr.
     """
     path = log_dir(run_dir) / f"rank-{rank}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
+    if keep_stdout:
+        warnings_to_terminal(os.fdopen(os.dup(2), "w", encoding="utf-8", errors="replace"))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 2)
     if not keep_stdout:
@@ -177,6 +246,11 @@ def redirect_to_log(run_dir: Path, rank: int, *, keep_stdout: bool) -> Path:
     return path
 
 
+def restart_attempt() -> int:
+    """The launcher's restart attempt this rank belongs to (0: the first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 @contextmanager
 def rank_failures(
     run_dir: Path,
@@ -186,22 +260,29 @@ def rank_failures(
     device: Callable[[], str] = lambda: "",
     skip_corrupt: bool = False,
     data: str = "",
+    on_nonfinite: str = "stop",
+    resume: str = "",
 ) -> Iterator[None]:
     """Record why this rank stops (traceback to its log, a failure record), then exit with the class's code.
 
     Under kaisoku's launcher the rank prints nothing on the terminal; else it prints the two lines.
+    ``skip_corrupt``, ``on_nonfinite`` and ``resume`` are the run's settings (no hint suggests them again).
     """
-    record_path(run_dir, rank).unlink(missing_ok=True)
+    launched = os.environ.get(LAUNCHER_ENV) == "1"
+    if not launched:  # the launcher clears the records at launch and keeps those of restarted attempts
+        record_path(run_dir, rank).unlink(missing_ok=True)
     try:
         yield
     except BaseException as error:
-        failure = classify(error, device=device(), skip_corrupt=skip_corrupt, data=data)
+        failure = classify(
+            error, device=device(), skip_corrupt=skip_corrupt, data=data, on_nonfinite=on_nonfinite
+        )
         failure.rank, failure.host, failure.time = rank, socket.gethostname(), time.time()
+        failure.attempt = restart_attempt()
         try:
             failure.step = step()
         except Exception:  # noqa: BLE001 - the step is a detail; the failure must still be recorded
             failure.step = None
-        launched = os.environ.get(LAUNCHER_ENV) == "1"
         if launched:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's stop must not cut this short
             traceback.print_exc()  # stderr is the rank's log under the launcher
@@ -215,7 +296,7 @@ def rank_failures(
         except OSError:
             pass  # an unwritable run folder: the exit code still tells the class
         if not launched:
-            print_failure(failure, run_dir)
+            print_failure(failure, run_dir, resume=resume)
             if rank == 0:
                 mark_run(
                     run_dir, status="failed", failure=failure.kind, cause=failure.cause, step=failure.step
@@ -227,14 +308,25 @@ def rank_failures(
         os._exit(failure.exit_code)
 
 
-def read_failures(run_dir: Path) -> list[Failure]:
-    """Every rank's failure record, oldest first."""
+def write_record(run_dir: Path, failure: Failure) -> None:
+    """Write ``failure`` as its rank's record (the launcher's, for a rank that died without a word)."""
+    try:
+        atomic_write_text(record_path(run_dir, failure.rank), json.dumps(asdict(failure)))
+    except OSError:
+        pass  # an unwritable run folder: the terminal line still says it
+
+
+def read_failures(run_dir: Path, *, latest_attempt: bool = False) -> list[Failure]:
+    """Every rank's failure record, oldest first; only the last restart attempt's with ``latest_attempt``."""
     out: list[Failure] = []
     for path in sorted(log_dir(run_dir).glob("failure-rank-*.json")):
         try:
             out.append(Failure(**json.loads(path.read_text())))
         except (OSError, ValueError, TypeError):
             continue
+    if latest_attempt and out:
+        last = max(f.attempt for f in out)
+        out = [f for f in out if f.attempt == last]
     return sorted(out, key=lambda f: f.time)
 
 
@@ -274,8 +366,11 @@ def decide(records: list[Failure], died: list[tuple[int, str]], *, interrupted: 
     return Failure("unknown", "a rank stopped without saying why", step=step)
 
 
-def print_failure(failure: Failure, run_dir: Path) -> None:
-    """The two lines a user sees: the cause, then what to do (with the logs' folder)."""
+def print_failure(failure: Failure, run_dir: Path, *, resume: str = "") -> None:
+    """The two lines a user sees: the cause, then what to do (with the logs' folder).
+
+    ``resume`` is the run's ``--resume``: a rerun with ``--resume auto`` already set is the same command.
+    """
     newest = newest_checkpoint_step(run_dir)
     at = f" (at step {failure.step})" if failure.step else ""
     if failure.kind == "interrupt":
@@ -285,14 +380,26 @@ def print_failure(failure: Failure, run_dir: Path) -> None:
         cause = failure.cause if failure.kind == "nonfinite" else f"{failure.cause}{at}"
     hints = [failure.hint] if failure.hint else []
     if failure.resumable or failure.kind == "interrupt":
+        rerun = "rerun the same command" if resume == "auto" else "rerun with --resume auto"
         if newest is not None:
-            hints.append(f"rerun with --resume auto to continue from checkpoint step {newest}")
+            hints.append(f"{rerun} to continue from checkpoint step {newest}")
         elif failure.kind in ("peer", "interrupt"):
-            hints.append("rerun (there is no checkpoint to resume from yet)")
+            hints.append(f"{rerun} (there is no checkpoint yet: it starts over)")
     hint = "; then ".join(hints)
     logs = f"full logs in {log_dir(run_dir)}"
     print(f"kaisoku: error: {cause}", file=sys.stderr)
     print(f"kaisoku: {hint}; {logs}" if hint else f"kaisoku: {logs}", file=sys.stderr)
+
+
+def start_run(run_dir: Path, **fields: Any) -> None:
+    """Begin ``RUN_DIR/run.json`` afresh for a starting run: ``running`` with ``fields`` (owner, times);
+    what an earlier run of the folder recorded (its status, cause) is replaced."""
+    try:
+        atomic_write_text(
+            run_dir / "run.json", json.dumps({"status": "running", "ended": None, **fields}, indent=1)
+        )
+    except OSError:
+        pass  # the status file is a convenience; the exit code and the two lines carry the news
 
 
 def mark_run(run_dir: Path, **fields: Any) -> None:
@@ -309,17 +416,21 @@ def mark_run(run_dir: Path, **fields: Any) -> None:
         pass  # the status file is a convenience; the exit code and the two lines carry the news
 
 
-def report_launch(run_dir: Path, failures: list[tuple[int, str, bool]], *, interrupted: bool) -> int:
+def report_launch(
+    run_dir: Path, failures: list[tuple[int, str, bool]], *, interrupted: bool, resume: str = ""
+) -> int:
     """After the ranks of a launch ended badly: print the two lines, mark ``run.json``; the exit code.
 
-    ``failures`` are (rank, how, killed by a signal) as the launcher saw them, first first.
+    ``failures`` are (rank, how, killed by a signal) as the launcher saw them, first first; the records
+    of the last restart attempt decide (earlier attempts' records stay as their history).
     """
     died = [(rank, how) for rank, how, by_signal in failures if by_signal]
-    failure = decide(read_failures(run_dir), died, interrupted=interrupted)
-    if failure.kind == "unknown" and not read_failures(run_dir) and failures:
+    records = read_failures(run_dir, latest_attempt=True)
+    failure = decide(records, died, interrupted=interrupted)
+    if failure.kind == "unknown" and not records and failures:
         rank, how, _ = failures[0]
         failure.cause = f"rank {rank} stopped ({how})"
-    print_failure(failure, run_dir)
+    print_failure(failure, run_dir, resume=resume)
     mark_run(
         run_dir,
         status="failed",
@@ -330,6 +441,40 @@ def report_launch(run_dir: Path, failures: list[tuple[int, str, bool]], *, inter
         exit_code=failure.exit_code,
     )
     return failure.exit_code
+
+
+def report_restart(run_dir: Path, failures: list[tuple[int, str, bool]], *, restart: int, limit: int) -> None:
+    """A restart (``--max-restarts``) begins: one line naming what died, and its failure record.
+
+    ``failures`` are (rank, how, killed by a signal) of the attempt that just failed; ``restart`` counts
+    from 1. A rank that said why it stopped keeps its own record and cause.
+    """
+    if not failures:
+        return
+    rank, how, by_signal = failures[0]
+    own = {f.rank: f for f in read_failures(run_dir) if f.attempt == restart - 1}
+    if by_signal or rank not in own:
+        failure = Failure(
+            "peer",
+            f"rank {rank} on {socket.gethostname()} died ({how})"
+            if by_signal
+            else f"rank {rank} stopped ({how})",
+            resumable=True,
+            rank=rank,
+            host=socket.gethostname(),
+            time=time.time(),
+            attempt=restart - 1,
+        )
+        write_record(run_dir, failure)
+        cause = failure.cause
+    else:
+        cause = f"rank {rank} failed: {own[rank].cause}"
+    newest = newest_checkpoint_step(run_dir)
+    start = f"checkpoint step {newest}" if newest is not None else "step 0 (no checkpoint yet)"
+    print(
+        f"kaisoku: {cause}; restart {restart} of {limit} continues from {start}", file=sys.stderr, flush=True
+    )
+    mark_run(run_dir, restarts=restart, last_restart_cause=cause)
 
 
 def clear_records(run_dir: Path) -> None:

@@ -13,6 +13,10 @@ from typing import Any
 
 import torch
 
+from kaisoku.errors import KaisokuError
+from kaisoku.fsutil import atomic_write_text
+from kaisoku.memory.measure import read_peak_bytes, reset_peak
+
 _RUN_PEAK_MIB = [0.0]  # the highest interval peak so far (interval peaks reset the counters)
 
 
@@ -35,9 +39,6 @@ def interval_peak_memory_mib(device: torch.device) -> float:
         peak = torch.cuda.max_memory_allocated(device) / 2**20
         torch.cuda.reset_peak_memory_stats(device)
     else:
-        from kaisoku.errors import KaisokuError
-        from kaisoku.memory.measure import read_peak_bytes, reset_peak
-
         try:
             peak = read_peak_bytes() / 2**20
             reset_peak()
@@ -132,12 +133,34 @@ class MetricsLogger:
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, step)
 
+    def continue_from(self, step: int, *, restart: int = 0) -> None:
+        """A resumed run continues after optimizer step ``step``: drop the lines of later steps (the run
+        that wrote them ended without a checkpoint of them; they are trained again), then log a
+        ``resume`` event, so that metrics.jsonl holds each step once.
+        """
+        if not self.enabled or self._file is None:
+            return
+        path = Path(self._file.name)
+        self._file.close()
+        kept = []
+        with path.open(encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                try:
+                    line_step = json.loads(line).get("step")
+                except (ValueError, AttributeError):
+                    continue  # a line cut short by a kill
+                if not isinstance(line_step, int) or line_step <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        atomic_write_text(path, "".join(kept))
+        self._file = path.open("a", encoding="utf-8")
+        self.log({"step": step, "event": "resume", "restart": restart})
+
     def message(self, text: str) -> None:
-        """Print a line above the progress bar."""
+        """Print a line above the progress bar (never wrapped: one message, one line)."""
         if not self.enabled:
             return
         if self._progress is not None:
-            self._progress.console.print(text)
+            self._progress.console.print(text, soft_wrap=True, markup=False, highlight=False)
         else:
             print(text, flush=True)
 
@@ -164,14 +187,46 @@ def clean_record(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def print_summary(summary: dict[str, Any]) -> None:
-    """Print the end-of-run summary as a table."""
+STAGING_KEYS = (
+    "source_reads",
+    "source_bytes",
+    "served_ram_bytes",
+    "served_local_bytes",
+    "served_source_bytes",
+)
+"""Summary counters of the node cache's tiers: shown when the run stages shards (a cache tier is on)."""
+EXCHANGE_KEYS = ("exchanged_bytes",)
+"""Summary counters of the sample exchange between nodes: shown when the run exchanges samples."""
+
+
+def summary_rows(
+    summary: dict[str, Any], *, staging: bool = False, exchange: bool = False
+) -> list[tuple[str, str]]:
+    """The (metric, value) rows the summary table shows: the I/O counters only where that data path is in
+    play (``staging``: a node cache tier, ``exchange``: samples swapped between nodes), skipped records
+    only when there were some. metrics.jsonl keeps every counter."""
+    hidden = set()
+    if not staging:
+        hidden.update(STAGING_KEYS)
+    if not exchange:
+        hidden.update(EXCHANGE_KEYS)
+    if not summary.get("skipped_records"):
+        hidden.add("skipped_records")
+    return [
+        (key, f"{value:.4g}" if isinstance(value, float) else str(value))
+        for key, value in summary.items()
+        if key not in hidden
+    ]
+
+
+def print_summary(summary: dict[str, Any], *, staging: bool = False, exchange: bool = False) -> None:
+    """Print the end-of-run summary as a table (the rows of :func:`summary_rows`)."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="kaisoku train: summary")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key, value in summary.items():
-        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    for key, value in summary_rows(summary, staging=staging, exchange=exchange):
+        table.add_row(key, value)
     Console().print(table)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -12,9 +14,13 @@ from typing import Any
 
 import torch
 
-from kaisoku.config import Config
+from kaisoku.config import Config, to_toml
+from kaisoku.data.cache import claim_tier, reclaim_dead_tiers, remove_tier
+from kaisoku.data.loader import ShardLoader
 from kaisoku.distributed import env
+from kaisoku.distributed.launch import die_with_launcher, launch_local
 from kaisoku.engine import failures
+from kaisoku.engine import run_dir as run_dir_lock
 from kaisoku.engine.build import build_trainer
 from kaisoku.engine.checkpoint import CheckpointManager
 from kaisoku.engine.data_build import dataset_root
@@ -22,42 +28,62 @@ from kaisoku.engine.metrics import print_summary
 from kaisoku.engine.report import finish_line, write_report
 from kaisoku.engine.trainer import Trainer
 from kaisoku.errors import KaisokuError
+from kaisoku.fsutil import atomic_write_text
 from kaisoku.parts import UserParts
+
+log = logging.getLogger("kaisoku.engine.run")
 
 
 def train_on_local_ranks(cfg: Config, nproc: int, *, rank_entry: Sequence[str] | None = None) -> int:
     """Start ``nproc`` ranks on this node that train ``cfg``; the exit code for ``kaisoku train``.
 
+    The run folder is claimed first (its lock, held until the ranks end; see :mod:`kaisoku.engine.run_dir`).
     The config goes to ``RUN_DIR/config.toml`` and each rank runs ``kaisoku train --config`` on it (or
     ``rank_entry``, a script and its arguments, which tests use to wrap :func:`run_training`). A failed
-    rank is reported in one line; only complete checkpoints are left.
+    rank is reported in one line; only complete checkpoints are left, and no RAM tier of a rank that died.
     """
-    from kaisoku.config import to_toml
-    from kaisoku.distributed.launch import launch_local
-    from kaisoku.fsutil import atomic_write_text
 
     dataset_root(cfg)  # generate the demo set once, before the ranks start
     run_dir = Path(cfg.run_dir).expanduser()
-    config_path = run_dir / "config.toml"
-    atomic_write_text(config_path, to_toml(cfg))
-    entry = list(rank_entry) if rank_entry is not None else ["-m", "kaisoku", "train"]
-    failures.clear_records(run_dir)
-    failures.mark_run(run_dir, status="running", started=time.time(), world_size=nproc, ended=None)
-    result = launch_local(
-        [*entry, "--config", str(config_path)],
-        nproc=nproc,
-        max_restarts=cfg.dist.max_restarts,
-        env={failures.LAUNCHER_ENV: "1"},
-    )
-    if result.ok:
-        failures.mark_run(run_dir, status="completed", ended=time.time())
-        return 0
-    CheckpointManager(run_dir / "checkpoints", keep=cfg.checkpoint.keep).remove_partial()
-    seen = [(f.rank, f.how, f.signal) for f in result.failures]
-    code = failures.report_launch(run_dir, seen, interrupted=result.interrupted)
-    with contextlib.suppress(KaisokuError):
-        write_report(run_dir)  # the crashed run's page, for a look at what led up to it
-    return code
+    lock = run_dir_lock.claim(cfg)
+    try:
+        _reclaim_ram_tiers(cfg)
+        config_path = run_dir / "config.toml"
+        try:
+            atomic_write_text(config_path, to_toml(cfg))
+        except OSError as error:
+            raise run_dir_lock.unwritable(run_dir, error) from None
+        entry = list(rank_entry) if rank_entry is not None else ["-m", "kaisoku", "train"]
+        failures.clear_records(run_dir)
+        failures.start_run(run_dir, world_size=nproc, **run_dir_lock.owner_fields())
+
+        def on_restart(failed: Sequence[Any], restart: int) -> None:
+            seen = [(f.rank, f.how, f.signal) for f in failed]
+            failures.report_restart(run_dir, seen, restart=restart, limit=cfg.dist.max_restarts)
+
+        result = launch_local(
+            [*entry, "--config", str(config_path)],
+            nproc=nproc,
+            max_restarts=cfg.dist.max_restarts,
+            env={failures.LAUNCHER_ENV: "1"},
+            on_restart=on_restart,
+        )
+        _reclaim_ram_tiers(cfg)  # what ranks killed without a word left behind
+        if result.ok:
+            failures.mark_run(run_dir, status="completed", ended=time.time())
+            return 0
+        CheckpointManager(run_dir / "checkpoints", keep=cfg.checkpoint.keep).remove_partial()
+        seen = [(f.rank, f.how, f.signal) for f in result.failures]
+        code = failures.report_launch(
+            run_dir, seen, interrupted=result.interrupted, resume=cfg.checkpoint.resume
+        )
+        # The crashed run's page, for a look at what led up to it; a convenience that must not bury the
+        # two lines above under a traceback of its own (e.g. a full disk, which may be why the run failed).
+        with contextlib.suppress(KaisokuError, OSError, RuntimeError, ValueError):
+            write_report(run_dir)
+        return code
+    finally:
+        lock.release()
 
 
 def run_training(
@@ -65,55 +91,113 @@ def run_training(
 ) -> dict[str, Any]:
     """Train on the world this process belongs to; rank 0 prints the summary. Returns the summary.
 
-    ``parts`` are the user's own model, dataset and loss given from Python. ``customize`` is called with the built trainer before training starts (tests use it to hook into a
-    run, e.g. to pause a checkpoint write).
+    ``parts`` are the user's own model, dataset and loss given from Python. ``customize`` is called with
+    the built trainer before training starts (tests use it to hook into a run, e.g. to pause a checkpoint
+    write).
     """
     world = env.world_from_env()
     run_dir = Path(cfg.run_dir).expanduser()
     launched = os.environ.get(failures.LAUNCHER_ENV) == "1"
+    lock: run_dir_lock.RunFolderLock | None = None
     if launched:
+        die_with_launcher()
         failures.redirect_to_log(run_dir, world.rank, keep_stdout=world.is_main)
-    elif world.is_main:  # no kaisoku launcher to keep run.json: this rank does
-        failures.mark_run(run_dir, status="running", started=time.time(), world_size=world.world_size)
+    else:  # no kaisoku launcher to hold the run folder and keep run.json: rank 0 does
+        lock = run_dir_lock.claim(cfg, lock=world.is_main)
+        if world.is_main:
+            failures.start_run(run_dir, world_size=world.world_size, **run_dir_lock.owner_fields())
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or _threads_per_rank(world)))
     resume = cfg.checkpoint.resume
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    restart = failures.restart_attempt()
+    if restart > 0:
         resume = "auto"  # a rank restarted by torchrun continues from the newest checkpoint
+    if world.local_rank == 0:
+        _reclaim_ram_tiers(cfg)  # e.g. the tier of this node's rank 0 in the attempt that was restarted
     # torchrun stops the other ranks with SIGTERM when one fails: exit through Python so that
     # a checkpoint being written removes its temp file instead of leaving it behind.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, failures.on_stop_signal)
     built: list[Trainer] = []
-    with failures.rank_failures(
-        run_dir,
-        world.rank,
-        step=lambda: built[0].state.step if built else None,
-        device=lambda: str(built[0].device) if built else cfg.train.device,
-        skip_corrupt=cfg.data.skip_corrupt,
-        data=cfg.data.path,
-    ):
-        trainer = build_trainer(cfg, world, parts=parts, resume=resume)
-        built.append(trainer)
-        if customize is not None:
-            customize(trainer)
-        try:
-            summary = trainer.fit()
-        finally:
-            trainer.metrics.close()
-        env.barrier()  # no rank may still read staged shards when the node cache deletes them
-        trainer.train_data.close()
-        if world.is_main:
-            print_summary(summary)
-            if trainer.precision.monitor is not None:
-                trainer.precision.monitor.print_table()
-            print(finish_line(summary, run_dir), flush=True)
-            if not launched:
-                failures.mark_run(run_dir, status="completed", ended=time.time())
-        env.shutdown()
+    try:
+        with failures.rank_failures(
+            run_dir,
+            world.rank,
+            step=lambda: built[0].state.step if built else None,
+            device=lambda: str(built[0].device) if built else cfg.train.device,
+            skip_corrupt=cfg.data.skip_corrupt,
+            data=cfg.data.path,
+            on_nonfinite=cfg.train.on_nonfinite,
+            resume=cfg.checkpoint.resume,
+        ):
+            trainer = build_trainer(cfg, world, parts=parts, resume=resume)
+            built.append(trainer)
+            ram_tier = _claim_ram_tier(trainer, cfg, world)
+            finished = False
+            try:
+                if resume:
+                    trainer.metrics.continue_from(trainer.state.step, restart=restart)
+                if customize is not None:
+                    customize(trainer)
+                try:
+                    summary = trainer.fit()
+                finally:
+                    trainer.metrics.close()
+                env.barrier()  # no rank may still read staged shards when the node cache deletes them
+                finished = True
+            finally:
+                # Every exit path this process survives (an error, Ctrl-C, the launcher's SIGTERM)
+                # removes the RAM tier; after a failure without the barrier: the other ranks are stopping.
+                _close_data(trainer, ram_tier, after_barrier=finished)
+            if world.is_main:
+                staging, exchange = _data_paths(trainer)
+                print_summary(summary, staging=staging, exchange=exchange)
+                if trainer.precision.monitor is not None:
+                    trainer.precision.monitor.print_table()
+                print(finish_line(summary, run_dir), flush=True)
+                if not launched:
+                    failures.mark_run(run_dir, status="completed", ended=time.time())
+            env.shutdown()
+    finally:
+        if lock is not None:
+            lock.release()
     return summary
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+def _data_paths(trainer: Trainer) -> tuple[bool, bool]:
+    """Whether the run stages shards in a node cache, and whether it exchanges samples between nodes."""
+    loader = trainer.train_data
+    if not isinstance(loader, ShardLoader):
+        return False, False
+    return loader.cache_settings.enabled, loader.needs_exchange
+
+
+def _claim_ram_tier(trainer: Trainer, cfg: Config, world: env.World) -> Path | None:
+    """On a node's local rank 0: this run's directory under ``data.ram_dir``, recorded as owned by this
+    process (so a later start reclaims it if this process is killed); None where the run keeps none."""
+    staging, exchange = _data_paths(trainer)
+    if world.local_rank != 0 or not (staging or exchange):
+        return None
+    assert isinstance(trainer.train_data, ShardLoader)
+    tier = Path(cfg.data.ram_dir).expanduser() / trainer.train_data.run_token
+    claim_tier(tier)
+    return tier
+
+
+def _close_data(trainer: Trainer, ram_tier: Path | None, *, after_barrier: bool) -> None:
+    """Stop staging and delete the run's RAM directory (never raises: it runs on failure paths)."""
+    with contextlib.suppress(Exception):
+        trainer.train_data.close()
+    if ram_tier is not None:
+        remove_tier(ram_tier)
+
+
+def _reclaim_ram_tiers(cfg: Config) -> None:
+    """Delete the RAM directories of runs that ended without removing theirs (killed), one line each."""
+    for tier, owner in reclaim_dead_tiers(Path(cfg.data.ram_dir).expanduser()):
+        text = f"removed RAM directory {tier} of a run that ended without removing it ({owner})"
+        if os.environ.get(failures.LAUNCHER_ENV) == "1":
+            log.warning("%s", text)  # a rank: to its log, and on rank 0 to the terminal
+        else:
+            print(f"kaisoku: warning: {text}", file=sys.stderr)
 
 
 def _threads_per_rank(world: env.World) -> int:
