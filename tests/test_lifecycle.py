@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kaisoku.data.datagen import generate
-from kaisoku.data.writer import pack
+from kaisoku.data.shards.writer import pack
 from tests.train_harness import metric_lines, rank_pid, train_args, train_env, wait_for
 
 

@@ -15,8 +15,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from kaisoku.config import Config, apply_override
-from kaisoku.data.transforms import IMAGENET_MEAN, IMAGENET_STD
-from kaisoku.data.writer import pack
+from kaisoku.data.loading.transforms import IMAGENET_MEAN, IMAGENET_STD
+from kaisoku.data.shards.writer import pack
 from kaisoku.errors import ConfigError
 from kaisoku.parts import ModelSpec, UserParts
 from kaisoku.run_facts import check_config, describe_data, describe_model, plan_run

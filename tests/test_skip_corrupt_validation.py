@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kaisoku.data.datagen import generate
-from kaisoku.data.format import read_index
-from kaisoku.data.writer import pack
+from kaisoku.data.shards.format import read_index
+from kaisoku.data.shards.writer import pack
 from tests.train_harness import metric_lines, train_args, train_env
 
 

@@ -195,7 +195,7 @@ def _pack_upgrade(argv: Sequence[str]) -> int:
     from pathlib import Path
 
     # start-up: each command imports only what it runs
-    from kaisoku.data.format import FORMAT_VERSION, split_dirs, upgrade_index
+    from kaisoku.data.shards.format import FORMAT_VERSION, split_dirs, upgrade_index
 
     parser = CommandParser(prog="kaisoku pack --upgrade", description=_pack_upgrade.__doc__)
     parser.add_argument("paths", nargs="+", help="packed dataset directories (or directories of splits)")
@@ -212,8 +212,8 @@ def cmd_pack(argv: Sequence[str]) -> int:
     if "--upgrade" in argv:
         return _pack_upgrade([a for a in argv if a != "--upgrade"])
     # start-up: each command imports only what it runs
-    from kaisoku.data.codecs import available_codecs
-    from kaisoku.data.writer import pack
+    from kaisoku.data.shards.codecs import available_codecs
+    from kaisoku.data.shards.writer import pack
     from kaisoku.units import format_bytes, parse_bytes
 
     parser = CommandParser(
@@ -265,7 +265,7 @@ def cmd_pack(argv: Sequence[str]) -> int:
         raise ConfigError(f"kaisoku pack: --error-bound needs --codec delta (got --codec {args.codec})")
     if args.codec == "delta":
         # start-up: each command imports only what it runs
-        from kaisoku.data.delta import delta_codec_name
+        from kaisoku.data.shards.delta import delta_codec_name
 
         args.codec = delta_codec_name(args.error_bound, args.error_mode)
     result = pack(
@@ -292,7 +292,7 @@ def cmd_pack(argv: Sequence[str]) -> int:
 def cmd_inspect(argv: Sequence[str]) -> int:
     """``kaisoku inspect PATH [--verify]``."""
     # start-up: each command imports only what it runs
-    from kaisoku.data.inspect import inspect_dataset
+    from kaisoku.data.shards.inspect import inspect_dataset
 
     parser = CommandParser(
         prog="kaisoku inspect",

@@ -16,9 +16,9 @@ from torch import nn
 
 from kaisoku.config import Config, validate
 from kaisoku.data.datagen import CLASSES as SHAPES_CLASSES
-from kaisoku.data.format import read_index
-from kaisoku.data.loader import packed_splits
-from kaisoku.data.sources import class_folders, image_folder_splits
+from kaisoku.data.loading.loader import packed_splits
+from kaisoku.data.shards.format import read_index
+from kaisoku.data.shards.sources import class_folders, image_folder_splits
 from kaisoku.distributed.env import inside_slurm_step, inside_torchrun, planned_world_size, world_from_env
 from kaisoku.errors import ConfigError, KaisokuError
 from kaisoku.models.blocks import ordered_blocks

@@ -20,9 +20,9 @@ from typing import Any, Literal
 import torch
 
 from kaisoku.config import Config
-from kaisoku.data.shuffle import ShuffleSpec
-from kaisoku.data.staging import CacheSettings
-from kaisoku.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from kaisoku.data.loading.transforms import IMAGENET_MEAN, IMAGENET_STD
+from kaisoku.data.node_cache.staging import CacheSettings
+from kaisoku.data.order.shuffle import ShuffleSpec
 from kaisoku.distributed.layout import SwitchSchedule, check_parallel, resolve_schedule
 from kaisoku.engine.compile import compile_conflict
 from kaisoku.errors import ConfigError

@@ -12,9 +12,9 @@ import pytest
 from kaisoku.bench.slowfs_readers import CacheDirs, EncodedSize, node_loader
 from kaisoku.bench.slowfs_rows import finish_group, kaisoku_row, peer_goal, peer_row, perfile_row, summary_b
 from kaisoku.data.datagen import generate
-from kaisoku.data.dataset import ShardedDataset
-from kaisoku.data.shuffle import ShuffleSpec
-from kaisoku.data.writer import pack
+from kaisoku.data.loading.dataset import ShardedDataset
+from kaisoku.data.order.shuffle import ShuffleSpec
+from kaisoku.data.shards.writer import pack
 
 BASE = {"link": "1Gbit/s, RTT+2ms", "set": "64px (3.4 KiB/file, 1024 files)"}
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kaisoku.data.writer import pack
-from tests.data.test_writer import make_image_folder
+from kaisoku.data.shards.writer import pack
+from tests.data.shards.test_writer import make_image_folder
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kaisoku.data.datagen import CLASSES, ensure_demo_dataset, generate
-from kaisoku.data.transforms import decode_image
+from kaisoku.data.loading.transforms import decode_image
 from kaisoku.errors import KaisokuError
 
 

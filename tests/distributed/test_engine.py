@@ -105,7 +105,7 @@ def test_grad_accumulation_and_bf16_run(tmp_path: Path, tiny_data: Path) -> None
 
 @pytest.fixture(scope="module")
 def tiny_packed(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kaisoku.data.writer import pack
+    from kaisoku.data.shards.writer import pack
 
     dst = tmp_path_factory.mktemp("packed") / "shapes"
     pack(tiny_data, dst, shard_bytes=4096, progress=False)

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from kaisoku.data.cache import NodeCache
-from kaisoku.data.exchange import RecordStore, exchange_for_epoch, plan_exchange
-from kaisoku.data.sampler import EpochSampler, rank_batches
-from kaisoku.data.shuffle import ShuffleSpec, partial_plan, shard_of
-from tests.data.test_cache import RECORD, make_source, read_record, record_bytes
+from kaisoku.data.node_cache.cache import NodeCache
+from kaisoku.data.order.exchange import RecordStore, exchange_for_epoch, plan_exchange
+from kaisoku.data.order.sampler import EpochSampler, rank_batches
+from kaisoku.data.order.shuffle import ShuffleSpec, partial_plan, shard_of
+from tests.data.node_cache.test_cache import RECORD, make_source, read_record, record_bytes
 from tests.dist_harness import run_ranks
 
 SIZES = np.full(12, 40, dtype=np.int64)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from kaisoku.data.sampler import EpochSampler
-from kaisoku.data.shuffle import ShuffleSpec
+from kaisoku.data.order.sampler import EpochSampler
+from kaisoku.data.order.shuffle import ShuffleSpec
 from tests.dist_harness import run_ranks
 
 SIZES = np.array([30, 25, 33, 28, 31, 27, 29, 26, 35, 22], dtype=np.int64)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kaisoku.data.cache import NodeCacheError
-from kaisoku.data.records import CorruptRecordError
+from kaisoku.data.node_cache.cache import NodeCacheError
+from kaisoku.data.shards.records import CorruptRecordError
 from kaisoku.engine.divergence import NonFiniteError
 from kaisoku.engine.failures import Failure, classify, decide, print_failure
 

@@ -17,7 +17,7 @@ import torch
 from kaisoku.config import Config
 from kaisoku.data.cosmo import universe_arrays
 from kaisoku.data.datagen import generate
-from kaisoku.data.writer import pack
+from kaisoku.data.shards.writer import pack
 from kaisoku.distributed.env import World
 from kaisoku.engine.build import build_trainer
 from kaisoku.errors import ConfigError

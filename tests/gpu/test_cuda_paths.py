@@ -165,7 +165,7 @@ def test_cosmoflow_trains_on_cuda(tmp_path: Path) -> None:
     import numpy as np
 
     from kaisoku.data.cosmo import universe_arrays
-    from kaisoku.data.writer import pack
+    from kaisoku.data.shards.writer import pack
 
     x, y = universe_arrays(16, 8, seed=0)
     xv, yv = universe_arrays(8, 8, seed=0, split="val")

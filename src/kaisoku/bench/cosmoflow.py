@@ -31,11 +31,11 @@ import torch
 
 from kaisoku.bench.common import goal, interleaved, median_iqr, print_table, write_result
 from kaisoku.config import Config
-from kaisoku.data.codecs import get_codec
 from kaisoku.data.cosmo import NPZ_NAME, generate_cosmo
-from kaisoku.data.delta import delta_codec_name
-from kaisoku.data.format import read_index
-from kaisoku.data.writer import pack
+from kaisoku.data.shards.codecs import get_codec
+from kaisoku.data.shards.delta import delta_codec_name
+from kaisoku.data.shards.format import read_index
+from kaisoku.data.shards.writer import pack
 from kaisoku.distributed.env import World
 from kaisoku.engine.checkpoint import CheckpointManager
 from kaisoku.engine.data_build import build_data

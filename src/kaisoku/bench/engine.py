@@ -8,8 +8,8 @@ the same model from :func:`~kaisoku.models.zoo.build_model`, DDP with PyTorch's 
 buckets (:func:`~kaisoku.distributed.data_parallel.wrap_ddp`), the optimizer from
 :func:`~kaisoku.optim.factory.build_optimizer`, cross-entropy, and nothing else.
 
-Two rows: the packed set read by :class:`~kaisoku.data.loader.ShardLoader` (the set is packed with
-:func:`kaisoku.data.writer.pack` into the run's temporary folder; the figure the goal judges) and the
+Two rows: the packed set read by :class:`~kaisoku.data.loading.loader.ShardLoader` (the set is packed with
+:func:`kaisoku.data.shards.writer.pack` into the run's temporary folder; the figure the goal judges) and the
 image-folder path. The sides alternate in chunks of one log interval (5 steps: each kaisoku chunk
 writes its one metrics line, as in training), the order flipping every pair, so that both sides see the
 same machine load at a time scale of about a second; epoch starts fall inside the chunks for both sides
@@ -34,9 +34,9 @@ from torch import nn
 from kaisoku.bench.common import goal, median_iqr, print_table, write_result
 from kaisoku.config import Config
 from kaisoku.data.datagen import generate
-from kaisoku.data.loader import ShardLoader
-from kaisoku.data.transforms import normalize
-from kaisoku.data.writer import pack
+from kaisoku.data.loading.loader import ShardLoader
+from kaisoku.data.loading.transforms import normalize
+from kaisoku.data.shards.writer import pack
 from kaisoku.distributed.data_parallel import BucketPlan, wrap_ddp
 from kaisoku.distributed.env import World, pick_device
 from kaisoku.distributed.spawn import run_ranks

@@ -1,7 +1,7 @@
 """The generated JPEG sets the loader benchmarks read, and kaisoku's side of their rows.
 
 :func:`image_set` generates class folders of JPEGs (:func:`kaisoku.data.datagen.generate`) and packs
-them (:func:`kaisoku.data.writer.pack`) on first use, under :func:`data_root`, where they are kept between
+them (:func:`kaisoku.data.shards.writer.pack`) on first use, under :func:`data_root`, where they are kept between
 runs. Shared by ``kaisoku bench loader`` (warm local data) and ``kaisoku bench slowfs`` (a slow shared
 file system).
 """
@@ -21,12 +21,12 @@ import torch
 
 from kaisoku.config import Config
 from kaisoku.data.datagen import generate
-from kaisoku.data.dataset import ImageLabelTransform, ShardedDataset
-from kaisoku.data.folder import FileList, scan_class_folders
-from kaisoku.data.format import Index, read_index
-from kaisoku.data.loader import ShardLoader
-from kaisoku.data.transforms import AugmentSpec
-from kaisoku.data.writer import pack
+from kaisoku.data.loading.dataset import ImageLabelTransform, ShardedDataset
+from kaisoku.data.loading.folder import FileList, scan_class_folders
+from kaisoku.data.loading.loader import ShardLoader
+from kaisoku.data.loading.transforms import AugmentSpec
+from kaisoku.data.shards.format import Index, read_index
+from kaisoku.data.shards.writer import pack
 from kaisoku.distributed.env import World
 from kaisoku.engine.data_build import shard_loader
 from kaisoku.run_facts import plan_run

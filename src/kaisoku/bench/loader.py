@@ -3,7 +3,7 @@
 Generated JPEG class folders (:mod:`kaisoku.bench.imagesets`) at 64x64 and 160x160 (decode + flip), and an
 ImageNet-like set of ~400 x 350 photos at quality 90 (random-resized-crop to 160 + flip), read warm (page
 cache), shuffled, 2 workers, batch 256. Every row yields uint8 NCHW batches with int64 labels and names its
-decoder: kaisoku (the :class:`~kaisoku.data.loader.ShardLoader` ``kaisoku train`` builds, through the
+decoder: kaisoku (the :class:`~kaisoku.data.loading.loader.ShardLoader` ``kaisoku train`` builds, through the
 training builder; on the ImageNet-like set also with crop-aware DCT-scaled decoding as its own row),
 torchvision ImageFolder (PIL, and simplejpeg), WebDataset, MosaicML Streaming (MDS), LitData
 (:mod:`kaisoku.bench.loader_peers`), and the limit: single-thread in-process decode + augment times the
@@ -46,8 +46,8 @@ from kaisoku.bench.imagesets import (
     production_loader,
 )
 from kaisoku.bench.loader_index import index_part
-from kaisoku.data.dataset import ImageLabelTransform
-from kaisoku.data.transforms import AugmentSpec, augment, crop_decode_into, decode_image
+from kaisoku.data.loading.dataset import ImageLabelTransform
+from kaisoku.data.loading.transforms import AugmentSpec, augment, crop_decode_into, decode_image
 
 NAME = "loader"
 

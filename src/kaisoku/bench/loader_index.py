@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from kaisoku.bench.common import goal
-from kaisoku.data.dataset import ShardedDataset
-from kaisoku.data.format import INDEX_NAME, Field, Index, ShardInfo, read_index, shard_file_name
+from kaisoku.data.loading.dataset import ShardedDataset
+from kaisoku.data.shards.format import INDEX_NAME, Field, Index, ShardInfo, read_index, shard_file_name
 
 RECORD_BYTES = 110_000
 """Bytes per synthetic record (an ImageNet JPEG's typical size): only the shard sizes depend on it."""

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from kaisoku.bench.common import goal
 from kaisoku.config import Config
-from kaisoku.data.writer import pack
+from kaisoku.data.shards.writer import pack
 from kaisoku.distributed.env import World
 from kaisoku.distributed.spawn import run_ranks
 from kaisoku.engine.build import build_trainer

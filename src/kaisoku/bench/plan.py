@@ -11,7 +11,7 @@ the same mount at once), per strategy, two epochs with the page cache dropped be
 * per-file: each node reads its share of the files in a keyed random order with 8 threads;
 * staged-global, staged-block, partial-Q0.25, local-only: each node runs the data path ``kaisoku train``
   builds for packed data with its default ``data.loader threads`` (:func:`_train_node`: the
-  :class:`~kaisoku.data.loader.ShardLoader` of :func:`kaisoku.engine.data_build.shard_loader`, built from a
+  :class:`~kaisoku.data.loading.loader.ShardLoader` of :func:`kaisoku.engine.data_build.shard_loader`, built from a
   config: its node cache staging shards into a local folder and /dev/shm, the sample exchange, 2 decoding
   threads).
 
@@ -45,8 +45,8 @@ from kaisoku.bench import netfs
 from kaisoku.bench.common import goal, record_and_show
 from kaisoku.bench.imagesets import BATCH, SEED, data_root, image_set, log
 from kaisoku.bench.slowfs_readers import CacheDirs, _file_bytes, node_loader
-from kaisoku.data.format import read_index
-from kaisoku.data.shuffle import ShuffleSpec
+from kaisoku.data.order.shuffle import ShuffleSpec
+from kaisoku.data.shards.format import read_index
 from kaisoku.distributed.spawn import run_ranks
 from kaisoku.plan.cluster import cluster_from_dict, load_cluster, load_dataset
 from kaisoku.plan.model import BLOCK_SHARDS, Dataset, predict, recommend, run_seconds, strategies
@@ -98,7 +98,7 @@ def _perfile_node(rank: int, world_size: int, tmp: Path, paths: list[str]) -> li
 def _train_node(
     rank: int, world_size: int, tmp: Path, pack_dir: str, spec: ShuffleSpec, dirs: CacheDirs, threads: int
 ) -> list[float]:
-    """Two epochs of one node on the :class:`~kaisoku.data.loader.ShardLoader` that ``kaisoku train``
+    """Two epochs of one node on the :class:`~kaisoku.data.loading.loader.ShardLoader` that ``kaisoku train``
     builds for packed data (:func:`kaisoku.engine.data_build.shard_loader` from a config: its default
     ``data.loader threads``, the node cache, the exchange). Each epoch is timed from a barrier (page cache
     dropped) to its last batch; the first includes building the cache (staging)."""

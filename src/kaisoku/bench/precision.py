@@ -31,7 +31,7 @@ from kaisoku.bench.common import fast_bf16, goal, locate_mnist, record_and_show
 from kaisoku.bench.parallel_mnist import _packed_mnist
 from kaisoku.config import Config
 from kaisoku.data.datagen import generate
-from kaisoku.data.writer import pack
+from kaisoku.data.shards.writer import pack
 from kaisoku.distributed.env import World
 from kaisoku.engine.build import build_trainer
 from kaisoku.run_facts import check_config

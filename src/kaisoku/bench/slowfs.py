@@ -11,11 +11,11 @@ each). Per row, epochs 1 and 2: I/O time (every sample's bytes delivered, no dec
 * random per-file reads, with 2 DataLoader workers (each reads its batch's files one by one) and with 8
   reader threads (I/O: a pool of 8 threads; end to end: 2 workers reading each batch with 4 threads),
   on a random subset of the files, reported as files/s;
-* kaisoku under the global, block and partial shuffles: the :class:`~kaisoku.data.loader.ShardLoader`
+* kaisoku under the global, block and partial shuffles: the :class:`~kaisoku.data.loading.loader.ShardLoader`
   ``kaisoku train`` iterates, built from a config by :func:`kaisoku.engine.data_build.shard_loader`
   (:mod:`kaisoku.bench.slowfs_readers`): its node cache (node-local folder and /dev/shm RAM tier, staged
   ahead from the mount), 2 decoding threads; partial as 2 nodes (gloo ranks with their own cache folders)
-  exchanging Q = 0.25 through :class:`~kaisoku.data.exchange.RecordStore`;
+  exchanging Q = 0.25 through :class:`~kaisoku.data.order.exchange.RecordStore`;
 * the packed peers LitData, MosaicML Streaming (MDS) and WebDataset reading their own formats from the
   same mount, with their own local caches where they have one (:mod:`kaisoku.bench.slowfs_peers`), end to
   end only (they decode as they read); a peer that is not installed is a skipped row with the reason.
@@ -55,10 +55,10 @@ from kaisoku.bench.imagesets import (
 )
 from kaisoku.bench.slowfs_readers import CacheDirs, KaisokuRun, kaisoku_epochs, perfile_epoch
 from kaisoku.bench.slowfs_rows import finish_group, kaisoku_row, peer_row, perfile_row, summary_b
-from kaisoku.data.format import Index
-from kaisoku.data.quality import shuffle_quality
-from kaisoku.data.sampler import EpochSampler
-from kaisoku.data.shuffle import ShuffleSpec, epoch_order
+from kaisoku.data.order.quality import shuffle_quality
+from kaisoku.data.order.sampler import EpochSampler
+from kaisoku.data.order.shuffle import ShuffleSpec, epoch_order
+from kaisoku.data.shards.format import Index
 
 NAME = "slowfs"
 REPEATS = 3

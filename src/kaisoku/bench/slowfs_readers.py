@@ -1,5 +1,5 @@
 """The readers of ``kaisoku bench slowfs``: random per-file reads, and kaisoku nodes iterating the
-:class:`~kaisoku.data.loader.ShardLoader` that ``kaisoku train`` builds (one node, or two gloo ranks
+:class:`~kaisoku.data.loading.loader.ShardLoader` that ``kaisoku train`` builds (one node, or two gloo ranks
 exchanging samples under the partial shuffle). Each drops the page cache before an epoch and returns what
 it read and how long it took. The packed peers' side is :mod:`kaisoku.bench.slowfs_peers`.
 """
@@ -24,10 +24,10 @@ from kaisoku.bench import netfs
 from kaisoku.bench.imagesets import BATCH, SEED, WORKERS, flip_transform
 from kaisoku.config import Config
 from kaisoku.config_sections import ByteSize
-from kaisoku.data.dataset import ShardedDataset
-from kaisoku.data.loader import ShardLoader
-from kaisoku.data.shuffle import ShuffleSpec
-from kaisoku.data.transforms import collate
+from kaisoku.data.loading.dataset import ShardedDataset
+from kaisoku.data.loading.loader import ShardLoader
+from kaisoku.data.loading.transforms import collate
+from kaisoku.data.order.shuffle import ShuffleSpec
 from kaisoku.distributed.env import World
 from kaisoku.distributed.spawn import run_ranks
 from kaisoku.engine.data_build import shard_loader

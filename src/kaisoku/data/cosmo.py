@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kaisoku.data.transforms import KeyedRandom
+from kaisoku.data.loading.transforms import KeyedRandom
 from kaisoku.errors import KaisokuError
 from kaisoku.fsutil import atomic_write_text
 from kaisoku.units import format_bytes
@@ -302,7 +302,7 @@ def ensure_cosmo_dataset(
     """
     # start-up: packing and the generator load only when the set must be made
     from kaisoku.data.datagen import _locked
-    from kaisoku.data.writer import pack
+    from kaisoku.data.shards.writer import pack
 
     cache = Path(cache_dir).expanduser()
     root = cache / f"cosmo-v{GENERATOR_VERSION}-{count}-{size}cubed-seed{seed}"

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from kaisoku.config import Config, to_dict
-from kaisoku.data.loader import ShardLoader
+from kaisoku.data.loading.loader import ShardLoader
 from kaisoku.distributed import env
 from kaisoku.distributed.data_parallel import BucketPlan, wrap_ddp
 from kaisoku.distributed.mesh import rank_coordinates

@@ -14,15 +14,15 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from kaisoku.config import Config
 from kaisoku.data.cosmo import VolumeTargetTransform, ensure_cosmo_dataset
-from kaisoku.data.counters import LoaderCounters
 from kaisoku.data.datagen import ensure_demo_dataset
-from kaisoku.data.dataset import ImageLabelTransform, ShardedDataset
-from kaisoku.data.folder import FolderSampler, ImageFolderDataset, ShardedEvalSampler, split_train_val
-from kaisoku.data.format import read_index
-from kaisoku.data.loader import ShardLoader, packed_splits
-from kaisoku.data.sampler import EpochSampler, KeyedMicroBatches
-from kaisoku.data.shuffle import ShuffleSpec
-from kaisoku.data.transforms import AugmentSpec, collate
+from kaisoku.data.loading.counters import LoaderCounters
+from kaisoku.data.loading.dataset import ImageLabelTransform, ShardedDataset
+from kaisoku.data.loading.folder import FolderSampler, ImageFolderDataset, ShardedEvalSampler, split_train_val
+from kaisoku.data.loading.loader import ShardLoader, packed_splits
+from kaisoku.data.loading.transforms import AugmentSpec, collate
+from kaisoku.data.order.sampler import EpochSampler, KeyedMicroBatches
+from kaisoku.data.order.shuffle import ShuffleSpec
+from kaisoku.data.shards.format import read_index
 from kaisoku.distributed import env
 from kaisoku.engine.trainer import TrainData
 from kaisoku.parts import UserParts
@@ -43,7 +43,7 @@ class SampledLoader:
     """A DataLoader over an :class:`EpochSampler`'s keyed batches, as the trainer drives it (:class:`TrainData`).
 
     The image-folder path and the user's dataset train through it; a packed dataset through
-    :class:`~kaisoku.data.loader.ShardLoader`.
+    :class:`~kaisoku.data.loading.loader.ShardLoader`.
     """
 
     def __init__(self, loader: DataLoader, sampler: EpochSampler) -> None:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from kaisoku.data.cache import NodeCacheError
+from kaisoku.data.node_cache.cache import NodeCacheError
 from kaisoku.engine.divergence import NonFiniteError
 from kaisoku.errors import KaisokuError
 from kaisoku.fsutil import atomic_write_text

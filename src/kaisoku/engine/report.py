@@ -253,7 +253,7 @@ def data_hint(run_dir: Path, mounts_file: str = "/proc/self/mounts") -> str | No
     import tomllib
 
     # start-up: the hint's modules load only when a report has data to judge
-    from kaisoku.data.folder import is_slow_mount, mount_type
+    from kaisoku.data.loading.folder import is_slow_mount, mount_type
     from kaisoku.plan.model import strategy_hint
 
     waits = series(read_metrics(run_dir), "data_wait_fraction")[1][1:]  # the first window holds start-up

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from kaisoku.config import Config, to_toml
-from kaisoku.data.cache import claim_tier, reclaim_dead_tiers, remove_tier
-from kaisoku.data.loader import ShardLoader
+from kaisoku.data.loading.loader import ShardLoader
+from kaisoku.data.node_cache.cache import claim_tier, reclaim_dead_tiers, remove_tier
 from kaisoku.distributed import env
 from kaisoku.distributed.launch import die_with_launcher, launch_local
 from kaisoku.engine import failures

@@ -9,7 +9,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from kaisoku.data.transforms import normalize
+from kaisoku.data.loading.transforms import normalize
 
 #: A loss of outputs against targets.
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

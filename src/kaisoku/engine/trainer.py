@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kaisoku.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from kaisoku.data.loading.transforms import IMAGENET_MEAN, IMAGENET_STD
 from kaisoku.distributed import env
 from kaisoku.engine.checkpoint import CheckpointManager
 from kaisoku.engine.divergence import (
@@ -32,7 +32,7 @@ from kaisoku.errors import KaisokuError
 class TrainData(Protocol):
     """What the trainer trains on: a rank's batches epoch by epoch, resumable exactly.
 
-    Implemented by the packed path's :class:`~kaisoku.data.loader.ShardLoader` and by
+    Implemented by the packed path's :class:`~kaisoku.data.loading.loader.ShardLoader` and by
     :class:`~kaisoku.engine.data_build.SampledLoader` (an image folder or the user's dataset).
     """
 

@@ -23,7 +23,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from kaisoku.data.format import read_index
+from kaisoku.data.shards.format import read_index
 from kaisoku.errors import ConfigError
 from kaisoku.plan.model import MB, Cluster, Dataset, RateTable
 from kaisoku.units import parse_bytes

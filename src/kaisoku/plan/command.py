@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from kaisoku.command_parser import CommandParser
-from kaisoku.data.quality import shuffle_quality
-from kaisoku.data.shuffle import ShuffleSpec, epoch_order, partial_plan
+from kaisoku.data.order.quality import shuffle_quality
+from kaisoku.data.order.shuffle import ShuffleSpec, epoch_order, partial_plan
 from kaisoku.errors import ConfigError
 from kaisoku.plan.cluster import load_cluster, load_dataset
 from kaisoku.plan.model import (
@@ -55,7 +55,7 @@ def _quality(
 def shuffle_quality_estimate(strategy: Strategy, dataset: Dataset, cluster: Cluster, nodes: int) -> float:
     """kaisoku's shuffle quality of the strategy's order, on a proxy of the dataset's shard layout.
 
-    Evaluated with the same functions training uses (:mod:`kaisoku.data.shuffle`, ``quality``) on at
+    Evaluated with the same functions training uses (:mod:`kaisoku.data.order.shuffle`, ``quality``) on at
     most 32 nodes, 2,048 shards, 1,000 samples per shard and 2^18 samples, keeping shards per node and the node batch
     where that fits (partial: node 0's batches; others: global batches).
     """
