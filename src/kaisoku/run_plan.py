@@ -23,7 +23,7 @@ from kaisoku.config import Config
 from kaisoku.data.loading.transforms import IMAGENET_MEAN, IMAGENET_STD
 from kaisoku.data.node_cache.staging import CacheSettings
 from kaisoku.data.order.shuffle import ShuffleSpec
-from kaisoku.distributed.layout import SwitchSchedule, check_parallel, resolve_schedule
+from kaisoku.distributed.layout import ParallelLayout, SwitchSchedule, check_parallel, resolve_schedule
 from kaisoku.engine.compile import compile_conflict
 from kaisoku.errors import ConfigError
 from kaisoku.memory.checkpointing import parse_block_list
@@ -111,6 +111,8 @@ class RunPlan:
     """Samples a rank (data parallel) or a replica (hybrid, first layout) handles per optimizer step."""
     micro_batch: int
     """Samples per forward pass: rank batch / train.grad_accum, or replica batch / parallel.microbatches."""
+    layout_micro_batches: dict[ParallelLayout, int]
+    """Hybrid: the micro-batch of each layout of the schedule (a switch changes the replica count)."""
     sample_shape: tuple[int, ...]
     """One input sample: ``(C, S, S)`` images, ``(C, D, D, D)`` volumes, or the user's sample shape."""
     task: Literal["classification", "regression"]
@@ -181,10 +183,16 @@ def resolve(cfg: Config, world: WorldShape | None, data: DataFacts, model: Model
     shuffle, cache = _data_settings(cfg, world, data)
     size = world.world_size if world is not None else 1
     first = schedule.layout_at(0) if schedule is not None else None
+    layout_micro_batches: dict[ParallelLayout, int] = {}
     if hybrid:
         replicas = first.dp if first is not None else max(1, cfg.parallel.dp)
         rank_batch = cfg.data.global_batch // replicas
         micro_batch = max(1, rank_batch // cfg.parallel.microbatches)
+        for segment in schedule.segments if schedule is not None else ():
+            layout = segment.layout
+            layout_micro_batches[layout] = max(
+                1, cfg.data.global_batch // layout.dp // cfg.parallel.microbatches
+            )
     else:
         rank_batch = cfg.data.global_batch // size
         micro_batch = max(1, rank_batch // cfg.train.grad_accum)
@@ -210,6 +218,7 @@ def resolve(cfg: Config, world: WorldShape | None, data: DataFacts, model: Model
         model=model,
         rank_batch=rank_batch,
         micro_batch=micro_batch,
+        layout_micro_batches=layout_micro_batches,
         sample_shape=sample_shape,
         task=data.task,
         loss=loss,

@@ -12,9 +12,6 @@ keyed by the same names, so a checkpoint written under one layout loads under an
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import torch
 
 from kaisoku.distributed.layout import (  # noqa: F401  (the schedule's public home is layout.py)
@@ -26,11 +23,6 @@ from kaisoku.distributed.layout import (  # noqa: F401  (the schedule's public h
 )
 from kaisoku.distributed.mesh import ParallelMesh, build_mesh
 from kaisoku.distributed.pipeline import HybridParallel
-from kaisoku.errors import KaisokuError
-from kaisoku.fsutil import atomic_open
-
-#: Written into every layout-independent checkpoint; a loader refuses other formats.
-CHECKPOINT_FORMAT = "kaisoku.layout-independent/1"
 
 
 def switch_layout(
@@ -65,25 +57,3 @@ def switch_layout(
     )
     following.load_full_state_dict(state)
     return following
-
-
-def save_full_state(path: Path, state: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
-    """Write a :meth:`HybridParallel.full_state_dict` (plus ``extra``, e.g. epoch and step) atomically.
-
-    Call it on one rank (every rank holds the same state).
-    """
-    record = {"format": CHECKPOINT_FORMAT, **(extra or {}), **state}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_open(path, "wb") as handle:
-        torch.save(record, handle)
-
-
-def load_full_state(path: Path) -> dict[str, Any]:
-    """Read a checkpoint written by :func:`save_full_state`; feed it to ``load_full_state_dict``."""
-    if not path.exists():
-        raise KaisokuError(f"checkpoint {path} does not exist")
-    record = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(record, dict) or record.get("format") != CHECKPOINT_FORMAT:
-        found = record.get("format") if isinstance(record, dict) else type(record).__name__
-        raise KaisokuError(f"checkpoint {path} is not a layout-independent checkpoint ({found!r})")
-    return record

@@ -241,7 +241,7 @@ def build_hybrid_engine(
         device=device,
         precision=built.precision,
         ranks_per_node=world.local_world_size,
-        global_batch=cfg.data.global_batch,
+        micro_batches=plan.layout_micro_batches,
         input_shape=plan.sample_shape,
     )
 

@@ -14,7 +14,7 @@ layout.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -55,7 +55,7 @@ class HybridStep:
         device: torch.device,
         precision: Precision,
         ranks_per_node: int | None = None,
-        global_batch: int = 0,
+        micro_batches: Mapping[ParallelLayout, int] | None = None,
         input_shape: tuple[int, ...] = (),
     ) -> None:
         self.model = model
@@ -66,7 +66,7 @@ class HybridStep:
         self.device = device
         self.precision = precision
         self.ranks_per_node = ranks_per_node
-        self.global_batch = global_batch
+        self.micro_batches = dict(micro_batches or {})
         self.input_shape = input_shape
         self._meshes: dict[ParallelLayout, ParallelMesh] = {}
         layout = schedule.layout_at(0)
@@ -103,7 +103,7 @@ class HybridStep:
     def _example_input(self, layout: ParallelLayout) -> torch.Tensor | None:
         if self.options.balance != "time" or layout.pp == 1 or not self.input_shape:
             return None
-        micro = max(1, self.global_batch // layout.dp // self.options.microbatches)
+        micro = self.micro_batches[layout]
         generator = torch.Generator().manual_seed(0)
         return torch.randn(micro, *self.input_shape, generator=generator).to(self.device)
 
