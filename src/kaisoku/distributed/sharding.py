@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from kaisoku.errors import KaisokuError
 from kaisoku.models.blocks import ordered_blocks
+from kaisoku.precision.float32_layers import Float32Norm, Float32PaddedConv
 
 ShardUnit = nn.Module | list[nn.Module]
 """What one ``fully_shard`` call takes: a module, or modules that are gathered together."""
@@ -63,20 +64,40 @@ def mixed_precision(mode: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
+def float32_units(model: nn.Module) -> list[nn.Module]:
+    """Layers the bf16 path keeps in float32 (:mod:`kaisoku.precision.float32_layers`: normalization, convs
+    over maps so small a tap sees only padding) that hold parameters: each its own fp32 unit."""
+    kept = (Float32Norm, Float32PaddedConv)
+    return [
+        m for m in model.modules() if isinstance(m, kept) and any(True for _ in m.parameters(recurse=False))
+    ]
+
+
 def shard_model(
     model: nn.Module, mesh: DeviceMesh, *, level: Literal["grad", "full"], precision_mode: str
 ) -> FSDPModule:
     """Shard ``model`` in place over ``mesh`` (``("dp_replicate", "dp_shard")``), block by block, then the root.
 
     ``level`` full reshards each block after its forward (gathered again for backward: the least memory);
-    grad keeps the gathered weights until backward (one gather per block and step, more memory).
+    grad keeps the gathered weights until backward (one gather per block and step, more memory). Under
+    bf16 the blocks are gathered in bf16 and the layers kept in float32 (normalization) in float32, each
+    layer its own small unit; the step still runs under autocast, as the data-parallel bf16 path does.
     """
     policy = mixed_precision(precision_mode)
     # A 2-D mesh makes FSDP2 replicate over the first dimension and shard over the second (HSDP).
     target = mesh if mesh.size(0) > 1 else mesh["dp_shard"]
     reshard = level == "full"
+    if policy.param_dtype is not None:
+        # Layers that compute in float32 need float32 weights: gathered as such, in units of their own
+        # (inner units first; the block's unit then leaves them out).
+        for layer in float32_units(model):
+            fully_shard(layer, mesh=target, reshard_after_forward=reshard, mp_policy=MixedPrecisionPolicy())
     for unit in shard_units(model):
-        fully_shard(unit, mesh=target, reshard_after_forward=reshard, mp_policy=policy)
+        # A unit of modules that are all float32 units already (a ResNet stem's conv and norm) has none left.
+        if isinstance(unit, list):
+            unit = [module for module in unit if not isinstance(module, FSDPModule)]
+        if unit and not isinstance(unit, FSDPModule):
+            fully_shard(unit, mesh=target, reshard_after_forward=reshard, mp_policy=policy)
     # The root's own parameters are needed again at once by backward: keep them gathered.
     fully_shard(model, mesh=target, reshard_after_forward=False, mp_policy=policy)
     assert isinstance(model, FSDPModule)

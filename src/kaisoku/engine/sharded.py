@@ -1,8 +1,8 @@
 """The sharded data-parallel step engine: FSDP2 blocks (``parallel.shard grad|full``) behind the StepEngine
 interface the trainer drives.
 
-The model arrives sharded (:func:`kaisoku.distributed.sharding.shard_model`); its mixed-precision policy
-carries bf16, so no autocast runs here. Micro-batches before the step's last keep their gradients local
+The model arrives sharded (:func:`kaisoku.distributed.sharding.shard_model`); under bf16 its blocks are
+gathered in bf16 and the step runs under autocast, so the layers kept in float32 stay so, as under DDP. Micro-batches before the step's last keep their gradients local
 and the weights gathered (:func:`~kaisoku.distributed.sharding.set_micro_batch`); the last reduce-scatters.
 Checkpoints hold DTensor shards, written by every rank (:mod:`kaisoku.distributed.sharded_checkpoint`).
 """
@@ -74,7 +74,8 @@ class ShardedStep:
         for k, (inputs, targets) in enumerate(micro_batches):
             if count > 1:
                 set_micro_batch(self._model, last=k == count - 1)
-            loss = self.loss_fn(self._model(inputs), targets) / count
+            with self.precision.autocast():
+                loss = self.loss_fn(self._model(inputs), targets) / count
             loss.backward()
             total += loss.detach().float()
         if self.guard is not None:

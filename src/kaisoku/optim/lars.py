@@ -124,6 +124,7 @@ class _LayerwiseOptimizer(Optimizer):
         names = group.get("param_names")
         forced = group.get("lars_exclude")
         sharded = False
+        self._originals: dict[int, Tensor] = {}
         buckets: dict[tuple[torch.device, torch.dtype], tuple[list[list[Tensor]], list[list[Tensor]]]] = {}
         width = 2 + len(state_keys)
         for index, param in enumerate(group["params"]):
@@ -145,7 +146,9 @@ class _LayerwiseOptimizer(Optimizer):
                 buckets[key] = ([[] for _ in range(width)], [[] for _ in range(width)])
             lists = buckets[key][1 if excluded else 0]
             local = _local(param)
-            sharded = sharded or local is not param
+            if local is not param:
+                sharded = True
+                self._originals[id(local)] = param
             lists[0].append(local)
             lists[1].append(_local(grad))
             for slot, state_key in enumerate(state_keys, start=2):
@@ -156,6 +159,10 @@ class _LayerwiseOptimizer(Optimizer):
                 "call reduce_norms_with(kaisoku.distributed.sharding.shard_norm_reducer(mesh))"
             )
         return [(tuple(adapted), tuple(excluded)) for adapted, excluded in buckets.values()]
+
+    def _state_of(self, tensor: Tensor) -> dict[str, Any]:
+        """The state of the parameter ``tensor`` is (or, after :meth:`_collect`, the local shard of)."""
+        return self.state[self._originals.get(id(tensor), tensor)]
 
     _norm_reduce: NormReduce | None = None
 
@@ -486,7 +493,7 @@ class LAMB(_LayerwiseOptimizer):
                 continue
             steps = []
             for param in params:
-                state = self.state[param]
+                state = self._state_of(param)
                 state["step"] += 1
                 steps.append(state["step"])
             device = params[0].device
