@@ -250,7 +250,7 @@ class MetricsConfig:
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    """Hybrid data x pipeline parallelism and switch-parallel."""
+    """Hybrid data x pipeline parallelism, switch-parallel, and sharded data parallelism."""
 
     dp: int = -1
     """Data-parallel replicas; -1: the world size divided by pp. dp x pp must equal the world size."""
@@ -268,6 +268,10 @@ class ParallelConfig:
     """Switch-parallel schedule, e.g. "dp2xpp2:0-10,dp4:10-" (half-open ranges, last open-ended); overrides dp/pp."""
     switch_unit: Literal["epoch", "step"] = "epoch"
     """What the ranges of parallel.switch count."""
+    shard: Literal["none", "grad", "full"] = "none"
+    """Shard the weights, gradients and optimizer state over the data-parallel ranks (FSDP2, per model block): none (DDP: every rank holds everything), grad (ZeRO-2-like: weights gathered for forward stay whole until backward, one all-gather per step) or full (ZeRO-3-like: gathered again for backward; the least memory). Each rank then holds about 1/N of the model state."""
+    dp_replicate: int = 1
+    """With parallel.shard: replicas of the sharded model (HSDP): the ranks split into this many groups, each holding one full copy sharded over its world / dp_replicate ranks, gradients averaged between groups. Set it to the node count to shard within a node and replicate across nodes. Must divide the world size."""
 
     @property
     def hybrid(self) -> bool:

@@ -24,6 +24,7 @@ from kaisoku.data.loading.transforms import IMAGENET_MEAN, IMAGENET_STD
 from kaisoku.data.node_cache.staging import CacheSettings
 from kaisoku.data.order.shuffle import ShuffleSpec
 from kaisoku.distributed.layout import ParallelLayout, SwitchSchedule, check_parallel, resolve_schedule
+from kaisoku.distributed.mesh import DATA_MESH_DIM_NAMES, data_mesh_shape
 from kaisoku.engine.compile import compile_conflict
 from kaisoku.errors import ConfigError
 from kaisoku.memory.checkpointing import parse_block_list
@@ -36,6 +37,7 @@ from kaisoku.precision import mode_conflict
 from kaisoku.precision.fp8 import fp8_support
 from kaisoku.precision.quant import keep_names
 
+ShardLevel = Literal["none", "grad", "full"]
 DataSource = Literal["packed", "folder", "generated-shapes", "generated-cosmo", "user"]
 LossName = Literal["cross-entropy", "mse", "user"]
 
@@ -105,6 +107,11 @@ class RunPlan:
     """The layouts over the run (None in a plan made before the world size was known)."""
     hybrid: bool
     """Pipeline stages or a layout switch (the hybrid engine) rather than plain data parallelism."""
+    shard: ShardLevel
+    """parallel.shard: none (DDP), grad (ZeRO-2-like) or full (ZeRO-3-like): the sharded engine when not none."""
+    mesh_shape: tuple[int, ...]
+    """The data-parallel mesh: ``(replicas, shards)`` under sharding (dims :data:`DATA_MESH_DIM_NAMES`),
+    else ``(world size,)``; shards 1 where the world is not known."""
     data: DataFacts
     model: ModelFacts
     rank_batch: int
@@ -139,12 +146,28 @@ class RunPlan:
         horizon = max(1, math.ceil(train.epochs * steps_per_epoch))
         return horizon, (min(horizon, train.max_steps) if train.max_steps > 0 else horizon)
 
+    @property
+    def engine_name(self) -> str:
+        """How the step runs, in words."""
+        if self.hybrid:
+            return "hybrid (pipeline / switch)"
+        if self.shard != "none":
+            return f"sharded data parallel ({self.shard}: {_SHARD_WORDS[self.shard]})"
+        return "data parallel"
+
+    @property
+    def mesh_description(self) -> str:
+        """The data-parallel mesh as ``name=size`` pairs."""
+        names = DATA_MESH_DIM_NAMES if self.shard != "none" else ("dp",)
+        return " x ".join(f"{name}={size}" for name, size in zip(names, self.mesh_shape))
+
     def describe(self) -> str:
         """The plan as aligned ``key: value`` lines (``kaisoku train --print-plan``)."""
         rows: list[tuple[str, Any]] = [
             ("world", f"{self.world.world_size} ranks, {self.world.ranks_per_node} per node"),
             ("layouts", str(self.schedule) if self.schedule is not None else "(world size unknown)"),
-            ("engine", "hybrid (pipeline / switch)" if self.hybrid else "data parallel"),
+            ("engine", self.engine_name),
+            ("data mesh", self.mesh_description),
             ("data", self.data.description),
             ("model", f"{self.config.model.name} ({self.model.block_count or 'no'} ordered blocks)"),
             ("global batch", self.config.data.global_batch),
@@ -182,6 +205,9 @@ def resolve(cfg: Config, world: WorldShape | None, data: DataFacts, model: Model
         raise ConfigError(conflict)
     shuffle, cache = _data_settings(cfg, world, data)
     size = world.world_size if world is not None else 1
+    mesh_shape = _check_shard(cfg, world, hybrid)
+    # One rank has nothing to shard over: it runs (and checkpoints) as plain data parallelism.
+    shard: ShardLevel = cfg.parallel.shard if world is None or size > 1 else "none"
     first = schedule.layout_at(0) if schedule is not None else None
     layout_micro_batches: dict[ParallelLayout, int] = {}
     if hybrid:
@@ -214,6 +240,8 @@ def resolve(cfg: Config, world: WorldShape | None, data: DataFacts, model: Model
         world=world or WorldShape(),
         schedule=schedule,
         hybrid=hybrid,
+        shard=shard,
+        mesh_shape=mesh_shape,
         data=data,
         model=model,
         rank_batch=rank_batch,
@@ -357,6 +385,48 @@ def _check_parallel(
             raise ConfigError(f"{what} does not work with {setting}")
     _block_count(model, what)
     return schedule
+
+
+_SHARD_WORDS = {
+    "grad": "weights gathered once per step, gradients and optimizer state sharded",
+    "full": "weights, gradients and optimizer state sharded, gathered per block",
+}
+
+
+def _check_shard(cfg: Config, world: WorldShape | None, hybrid: bool) -> tuple[int, ...]:
+    """``parallel.shard`` and ``parallel.dp_replicate`` on the world and against what sharding excludes;
+    the data-parallel mesh shape."""
+    par = cfg.parallel
+    size = world.world_size if world is not None else None
+    if par.shard == "none":
+        if par.dp_replicate != 1:
+            raise ConfigError(
+                f"parallel.dp_replicate {par.dp_replicate} needs parallel.shard grad or full (without "
+                "sharding every rank is already a replica); set parallel.shard or drop parallel.dp_replicate"
+            )
+        return (size or 1,)
+    shape = data_mesh_shape(size if size is not None else par.dp_replicate, par.dp_replicate)
+    what = f"parallel.shard {par.shard}"
+    unsupported = [
+        (hybrid, "pipeline stages or parallel.switch (use parallel.shard none with parallel.pp)"),
+        (cfg.memory.update_in_backward, "memory.update_in_backward (the sharded step owns the update)"),
+        (cfg.optim.kfac.enabled, "optim.kfac.enabled (K-FAC needs whole gradients of each layer)"),
+        (cfg.train.compile != "off" or cfg.optim.compile, "train.compile / optim.compile (set them off)"),
+        (cfg.precision.mode == "fp16", "precision.mode fp16 (use bf16: sharded mixed precision)"),
+        (cfg.precision.mode.endswith("-stats"), f"precision.mode {cfg.precision.mode} (use bf16 or fp32)"),
+        (cfg.dist.compress != "none", "dist.compress (a DDP setting; the reduce-scatter runs in fp32)"),
+        (
+            cfg.memory.recompute != "none"
+            or cfg.memory.compress != "none"
+            or cfg.memory.offload != "none"
+            or bool(cfg.memory.budget.strip() or cfg.memory.policy.strip()),
+            "memory.recompute / compress / offload / budget / policy (not yet on sharded blocks)",
+        ),
+    ]
+    for refused, setting in unsupported:
+        if refused:
+            raise ConfigError(f"{what} does not work with {setting}")
+    return shape
 
 
 def _check_memory(cfg: Config, model: ModelFacts, hybrid: bool) -> None:

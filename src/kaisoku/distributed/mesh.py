@@ -1,4 +1,7 @@
-"""Parallel degrees (dp x pp) validated against the world, rank placement, and the DeviceMesh.
+"""Parallel degrees (dp x pp) validated against the world, rank placement, and the DeviceMeshes.
+
+Pipeline layouts get a ("dp", "pp") mesh (:func:`build_mesh`); sharded data parallelism a
+("dp_replicate", "dp_shard") mesh (:func:`data_mesh_shape`, :func:`build_data_mesh`).
 
 A layout ``dp x pp`` runs ``dp`` replicas of a pipeline of ``pp`` stages. Ranks are placed so that the
 ranks of one pipeline sit on one node wherever the node has room for a whole pipeline: pipeline
@@ -13,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kaisoku.distributed.layout import ParallelLayout
-from kaisoku.errors import KaisokuError
+from kaisoku.errors import ConfigError, KaisokuError
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -21,6 +24,8 @@ if TYPE_CHECKING:
 
 #: Names of the mesh dimensions, outermost first.
 MESH_DIM_NAMES: tuple[str, str] = ("dp", "pp")
+#: Names of the sharded data-parallel mesh's dimensions: replicas (HSDP), then the ranks one copy is sharded over.
+DATA_MESH_DIM_NAMES: tuple[str, str] = ("dp_replicate", "dp_shard")
 
 
 def rank_grid(layout: ParallelLayout, ranks_per_node: int | None = None) -> list[list[int]]:
@@ -122,3 +127,30 @@ def build_mesh(
         dp_index=dp_index,
         pp_index=pp_index,
     )
+
+
+def data_mesh_shape(world_size: int, replicate: int) -> tuple[int, int]:
+    """``(replicas, shards)`` of sharded data parallelism on ``world_size`` ranks with ``replicate`` replicas.
+
+    Pure; a one-line :class:`KaisokuError` (a ConfigError) with the arithmetic when it does not divide.
+    """
+    if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1:
+        raise ConfigError(f"parallel.dp_replicate must be a positive integer, got {replicate!r}")
+    if world_size % replicate:
+        raise ConfigError(
+            f"parallel.dp_replicate {replicate} does not divide the world size {world_size}: "
+            f"{world_size} / {replicate} = {world_size / replicate:g} ranks per replica; choose a divisor "
+            f"of {world_size}"
+        )
+    return replicate, world_size // replicate
+
+
+def build_data_mesh(replicate: int, shard: int, *, device_type: str = "cpu") -> DeviceMesh:
+    """The ("dp_replicate", "dp_shard") DeviceMesh of sharded data parallelism (every rank calls it).
+
+    Ranks are row-major: the ``shard`` ranks of one replica are consecutive, so with ``replicate`` set to the
+    node count a replica lives on one node and only the gradient average between replicas crosses nodes.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=DATA_MESH_DIM_NAMES)

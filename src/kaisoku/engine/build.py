@@ -2,8 +2,8 @@
 
 :func:`build_trainer` resolves the config on this rank's world (:func:`kaisoku.run_plan.plan_run`), then
 each builder takes the plan: the data (:func:`~kaisoku.engine.data_build.build_data`), the model and its
-precision (:func:`build_model_for`), the step engine (:func:`build_data_parallel_engine` or
-:func:`build_hybrid_engine`), the trainer. The user's own model, dataset and loss enter here
+precision (:func:`build_model_for`), the step engine (:func:`build_data_parallel_engine`,
+:func:`build_sharded_engine` or :func:`build_hybrid_engine`), the trainer. The user's own model, dataset and loss enter here
 (:class:`~kaisoku.parts.UserParts`) and get every feature the zoo's do.
 """
 
@@ -23,14 +23,16 @@ from kaisoku.config import Config, to_dict
 from kaisoku.data.loading.loader import ShardLoader
 from kaisoku.distributed import env
 from kaisoku.distributed.data_parallel import BucketPlan, wrap_ddp
-from kaisoku.distributed.mesh import rank_coordinates
+from kaisoku.distributed.mesh import build_data_mesh, rank_coordinates
 from kaisoku.distributed.pipeline import HybridOptions
+from kaisoku.distributed.sharding import shard_model, shard_norm_reducer
 from kaisoku.engine.checkpoint import CheckpointManager
 from kaisoku.engine.compile import compile_run, synthetic_batch
 from kaisoku.engine.data_build import DataParts, build_data
 from kaisoku.engine.divergence import NonFiniteGuard
 from kaisoku.engine.hybrid import HybridStep
 from kaisoku.engine.metrics import MetricsLogger
+from kaisoku.engine.sharded import ShardedStep
 from kaisoku.engine.step import DataParallelStep, LossFn, Precision, Preconditioner, StepEngine
 from kaisoku.engine.trainer import Trainer, TrainSettings
 from kaisoku.errors import KaisokuError
@@ -38,6 +40,7 @@ from kaisoku.memory.in_backward import attach_update_in_backward
 from kaisoku.memory.profile import MemorySetup, setup_memory
 from kaisoku.optim.factory import build_optimizer, build_optimizer_from_named, build_scheduler
 from kaisoku.optim.kfac import KFAC
+from kaisoku.optim.lars import LAMB, LARS
 from kaisoku.parts import UserParts, check_user_parts, parts_from_config
 from kaisoku.precision import apply_precision
 from kaisoku.run_facts import make_model, plan_run
@@ -211,6 +214,37 @@ def build_data_parallel_engine(
     )
 
 
+def build_sharded_engine(
+    plan: RunPlan,
+    built: BuiltModel,
+    *,
+    loss_fn: LossFn,
+    make_scheduler: Any,
+    device: torch.device,
+) -> ShardedStep:
+    """FSDP2 per ordered block over the plan's ("dp_replicate", "dp_shard") mesh: the sharded step.
+
+    The optimizer is built on the shards (SGD and AdamW work on DTensors as they are; LARS and LAMB sum
+    each layer's squared shard norms over the shard group), and so is the non-finite guard.
+    """
+    cfg = plan.config
+    replicate, shards = plan.mesh_shape
+    mesh = build_data_mesh(replicate, shards, device_type=device.type)
+    assert plan.shard != "none"
+    model = shard_model(built.model, mesh, level=plan.shard, precision_mode=cfg.precision.mode)
+    optimizer = build_optimizer(model, cfg.optim)
+    if isinstance(optimizer, (LARS, LAMB)):
+        optimizer.reduce_norms_with(shard_norm_reducer(mesh))
+    return ShardedStep(
+        model,
+        optimizer,
+        make_scheduler(optimizer),
+        loss_fn=loss_fn,
+        precision=built.precision,
+        guard=NonFiniteGuard(model, device, every_step=cfg.train.on_nonfinite == "skip"),
+    )
+
+
 def build_hybrid_engine(
     plan: RunPlan,
     built: BuiltModel,
@@ -308,6 +342,11 @@ def build_trainer(
         engine = build_hybrid_engine(
             plan, built, data, world, loss_fn=loss_fn, make_scheduler=make_scheduler, device=device
         )
+    elif plan.shard != "none":
+        sharded = build_sharded_engine(
+            plan, built, loss_fn=loss_fn, make_scheduler=make_scheduler, device=device
+        )
+        engine, guard = sharded, sharded.guard  # the guard watches the shards that replaced the weights
     else:
         engine = build_data_parallel_engine(
             plan,
@@ -361,7 +400,9 @@ def build_trainer(
         world=world,
         device=device,
         metrics=metrics,
-        checkpoints=CheckpointManager(run_dir / "checkpoints", keep=cfg.checkpoint.keep),
+        checkpoints=CheckpointManager(
+            run_dir / "checkpoints", keep=cfg.checkpoint.keep, sharded=plan.shard != "none"
+        ),
         config_dict=to_dict(cfg),
         guard=guard,
     )
@@ -375,6 +416,7 @@ def build_trainer(
             "process_group_wait_seconds": pg_wait_seconds,
             "eager_init": cfg.dist.eager_init,
             **({"parallel": str(plan.schedule)} if plan.hybrid else {}),
+            **({"shard": plan.shard, "data_mesh": plan.mesh_description} if plan.shard != "none" else {}),
         }
     )
     if built.memory is not None and built.memory.plan is not None:

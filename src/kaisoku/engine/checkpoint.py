@@ -1,9 +1,19 @@
-"""Atomic checkpoints written by rank 0, the newest K kept, and resume from the newest valid one."""
+"""Atomic checkpoints, the newest K kept, and resume from the newest valid one.
+
+Two kinds, told apart by their names: ``step-XXXXXXXX.pt``, one file written by rank 0 (data parallel,
+pipeline), and ``step-XXXXXXXX/``, a folder of shards every rank writes (``parallel.shard``: model and
+optimizer through :mod:`kaisoku.distributed.sharded_checkpoint`, the rest of the trainer's state in
+``trainer.pt`` by rank 0). A folder is written as ``.step-XXXXXXXX.tmp/`` and renamed once its metadata
+and ``trainer.pt`` are on disk, so a listed folder is always complete; older ones are removed only after.
+Either kind loads into any engine.
+"""
 
 from __future__ import annotations
 
 import io
+import os
 import re
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -11,11 +21,17 @@ from typing import Any
 
 import torch
 
+from kaisoku.distributed import env
+from kaisoku.distributed.sharded_checkpoint import METADATA_FILE, save_sharded
 from kaisoku.errors import KaisokuError
-from kaisoku.fsutil import atomic_open
+from kaisoku.fsutil import atomic_open, fsync_dir
 
-_NAME = re.compile(r"^step-(\d{8})\.pt$")
+_NAME = re.compile(r"^step-(\d{8})(\.pt)?$")
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "step", "data", "rng", "format")
+#: What ``trainer.pt`` of a sharded checkpoint holds (model and optimizer are the shards beside it).
+SHARDED_REQUIRED_KEYS = ("scheduler", "step", "data", "rng", "format")
+#: The file of a sharded checkpoint holding everything but the model and optimizer shards.
+TRAINER_FILE = "trainer.pt"
 FORMAT_VERSION = 1
 
 
@@ -31,31 +47,49 @@ class CheckpointManager:
     """
 
     def __init__(
-        self, directory: Path, *, keep: int, before_rename: Callable[[Path], None] | None = None
+        self,
+        directory: Path,
+        *,
+        keep: int,
+        before_rename: Callable[[Path], None] | None = None,
+        sharded: bool = False,
     ) -> None:
         self.directory = directory
         self.keep = keep
         self.before_rename = before_rename
+        self.sharded = sharded
+        """Every rank writes its shards (:meth:`save` is then a collective), else rank 0 writes one file."""
 
     def path_for(self, step: int) -> Path:
-        """The file of the checkpoint taken after optimizer step ``step``."""
-        return self.directory / f"step-{step:08d}.pt"
+        """The file (or, sharded, the folder) of the checkpoint taken after optimizer step ``step``."""
+        return self.directory / (f"step-{step:08d}" if self.sharded else f"step-{step:08d}.pt")
 
     def list(self) -> list[Path]:
-        """Complete checkpoint files, oldest first (temp files are never listed)."""
+        """Complete checkpoints (files and folders), oldest first (temp files and folders are never listed)."""
         if not self.directory.is_dir():
             return []
-        return sorted(p for p in self.directory.iterdir() if _NAME.match(p.name))
+        found = [
+            p
+            for p in self.directory.iterdir()
+            if _NAME.match(p.name) and p.is_dir() != p.name.endswith(".pt")
+        ]
+        return sorted(found, key=lambda p: (_step(p), p.name))
 
     def remove_partial(self) -> None:
-        """Delete temp files that a killed writer left behind."""
+        """Delete temp files and folders that a killed writer left behind."""
         if self.directory.is_dir():
             for path in self.directory.glob(".step-*.tmp"):
-                path.unlink(missing_ok=True)
+                remove(path)
 
-    def save(self, state: dict[str, Any]) -> Path:
-        """Write ``state`` atomically (temp file + fsync + rename), then drop all but the newest K."""
+    def save(self, state: dict[str, Any], *, is_main: bool = True) -> Path:
+        """Write ``state`` atomically, then drop all but the newest K; the checkpoint's path.
+
+        One file: rank 0 alone calls it (temp file + fsync + rename). Sharded: every rank calls it with its
+        own shards, ``is_main`` on rank 0 (see :meth:`_save_sharded`).
+        """
         state = {**state, "format": FORMAT_VERSION}
+        if self.sharded:
+            return self._save_sharded(state, is_main)
         path = self.path_for(int(state["step"]))
         # Serialise in memory first: a full disk then fails as a plain write error, not inside torch's
         # zip writer, and the temp file is removed by atomic_open.
@@ -68,13 +102,55 @@ class CheckpointManager:
             raise KaisokuError(
                 f"could not write checkpoint {path}: {error.strerror}; free space or change --run-dir"
             ) from None
+        self._prune()
+        return path
+
+    def _prune(self) -> None:
         for old in self.list()[: -self.keep]:
-            old.unlink(missing_ok=True)
+            remove(old)
+
+    def _save_sharded(self, state: dict[str, Any], main: bool) -> Path:
+        """Every rank writes its shards into ``.step-X.tmp/``; DCP writes the metadata once all are in; rank 0
+        adds ``trainer.pt`` (the rest of the state), fsyncs, renames the folder to ``step-X`` and prunes."""
+        path = self.path_for(int(state["step"]))
+        tmp = self.directory / f".{path.name}.tmp"
+        if main:
+            remove(tmp)  # a killed writer's leftovers under this step's name
+            tmp.mkdir(parents=True)
+        env.barrier()
+        try:
+            save_sharded({"model": state["model"], "optimizer": state["optimizer"]}, tmp)
+        except OSError as error:
+            raise KaisokuError(
+                f"could not write checkpoint {path}: {error.strerror}; free space or change --run-dir"
+            ) from None
+        if main:
+            rest = {key: value for key, value in state.items() if key not in ("model", "optimizer")}
+            buffer = io.BytesIO()
+            torch.save({**rest, "sharded": True}, buffer)
+            with atomic_open(tmp / TRAINER_FILE, "wb") as handle:
+                handle.write(buffer.getbuffer())
+            fsync_dir(tmp)
+            if self.before_rename is not None:
+                self.before_rename(tmp)
+            replaced = self.directory / f".{path.name}.old.tmp"
+            if path.exists():  # the same step written again (after a rollback): move the old one aside
+                os.replace(path, replaced)
+            os.replace(tmp, path)
+            fsync_dir(self.directory)
+            remove(replaced)
+            self._prune()
         return path
 
     @staticmethod
     def load(path: Path) -> dict[str, Any]:
-        """Load and check one checkpoint; KaisokuError naming the file when it is corrupt or foreign."""
+        """Load and check one checkpoint; KaisokuError naming the file when it is corrupt or foreign.
+
+        A sharded checkpoint gives its ``trainer.pt`` with ``sharded_dir`` naming the folder; the engine
+        reads the model and optimizer shards from there.
+        """
+        if path.is_dir():
+            return _load_sharded(path)
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except FileNotFoundError:
@@ -102,3 +178,36 @@ class CheckpointManager:
             except KaisokuError as error:
                 print(f"kaisoku: skipping {error}", file=sys.stderr)
         return None
+
+
+def _load_sharded(path: Path) -> dict[str, Any]:
+    """A sharded checkpoint's ``trainer.pt``, checked, with ``sharded_dir`` set to the folder."""
+    if not (path / METADATA_FILE).is_file():
+        raise KaisokuError(f"checkpoint {path} is incomplete (no {METADATA_FILE})")
+    try:
+        state = torch.load(path / TRAINER_FILE, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise KaisokuError(f"checkpoint {path} is incomplete (no {TRAINER_FILE})") from None
+    except Exception as error:  # torch raises several types for a damaged file
+        raise KaisokuError(f"checkpoint {path} is corrupt or unreadable ({type(error).__name__})") from None
+    missing = [key for key in SHARDED_REQUIRED_KEYS if not isinstance(state, dict) or key not in state]
+    if missing:
+        raise KaisokuError(f"checkpoint {path} is not a kaisoku checkpoint (missing {', '.join(missing)})")
+    if state["format"] != FORMAT_VERSION:
+        raise KaisokuError(
+            f"checkpoint {path} has format {state['format']}, this kaisoku reads {FORMAT_VERSION}"
+        )
+    return {**state, "sharded_dir": str(path)}
+
+
+def _step(path: Path) -> int:
+    match = _NAME.match(path.name)
+    return int(match.group(1)) if match else -1
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint file or folder (or a temp one); nothing if it is gone."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

@@ -15,7 +15,9 @@ from torch import nn
 
 from kaisoku.data.loading.transforms import IMAGENET_MEAN, IMAGENET_STD
 from kaisoku.distributed import env
+from kaisoku.distributed.sharded_checkpoint import read_full_state
 from kaisoku.engine.checkpoint import CheckpointManager
+from kaisoku.engine.checkpoint import remove as remove_checkpoint
 from kaisoku.engine.divergence import (
     NonFinite,
     NonFiniteError,
@@ -198,6 +200,9 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any], *, source: str = "checkpoint") -> None:
         """Restore a :meth:`state_dict` written by any step engine; a mismatch names ``source``."""
         try:
+            if "sharded_dir" in state and not getattr(self.engine, "reads_sharded_checkpoints", False):
+                # An unsharded engine takes whole tensors: read the shards into its own model first.
+                state = {**state, **read_full_state(state["sharded_dir"], self.engine.model, self.optimizer)}
             self.engine.load_state_dict(state)
         except (RuntimeError, ValueError, KeyError) as error:
             first = str(error).strip().splitlines()[0]
@@ -216,7 +221,8 @@ class Trainer:
         self._batches = None
 
     def save_checkpoint(self) -> None:
-        """Rank 0 writes a checkpoint; every rank takes part in gathering it and waits for the write.
+        """Rank 0 writes a checkpoint (every rank its shards, when sharded); every rank takes part in
+        gathering it and waits for the write.
 
         Weights are checked first: a checkpoint with non-finite weights is never written (the
         ``on_nonfinite`` policy acts instead).
@@ -227,7 +233,12 @@ class Trainer:
             return
         start = time.perf_counter()
         state = self.state_dict()
-        path = self.checkpoints.save(state) if self.world.is_main else None
+        path: Path | None = None
+        if self.checkpoints.sharded:  # every rank writes its own shards
+            path = self.checkpoints.save(state, is_main=self.world.is_main)
+            path = path if self.world.is_main else None
+        elif self.world.is_main:
+            path = self.checkpoints.save(state)
         env.barrier()
         self._saved_since_rollback = True
         seconds = time.perf_counter() - start
@@ -249,7 +260,9 @@ class Trainer:
         if self.guard is None:
             return True
         found = self.guard.check()
-        weights_bad = at_checkpoint and not bool(weights_finite(self.engine.model))
+        # A sharded engine checks its own shards (the flags are agreed over ranks below).
+        finite = getattr(self.engine, "weights_finite", None)
+        weights_bad = at_checkpoint and not bool(finite() if finite else weights_finite(self.engine.model))
         local = 1.0 if found is not None or weights_bad else 0.0
         if env.all_reduce_max([local], self.device)[0] == 0.0:
             return True
@@ -273,7 +286,7 @@ class Trainer:
         target = paths[-1]
         for later in self.checkpoints.list():
             if _step_of(later) > _step_of(target):
-                later.unlink(missing_ok=True)
+                remove_checkpoint(later)
         return str(target)
 
     def rollback(self, found: NonFinite) -> None:

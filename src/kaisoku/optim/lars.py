@@ -10,6 +10,11 @@ Parameters with ``ndim <= 1`` (BatchNorm weights and biases) are excluded from a
 by default, as in the large-batch literature. The choice can be made per parameter group
 (``{"params": ..., "lars_exclude": True}``) or per parameter with a predicate ``exclude(name, param)``;
 names are available when the optimizer is given ``model.named_parameters()``.
+
+Sharded parameters (DTensors, e.g. under FSDP2) are updated through their local shards. A layer's norm is
+then the norm of its whole parameter: :meth:`_LayerwiseOptimizer.reduce_norms_with` takes a function that
+sums stacked squared local norms over the shard group (one collective per parameter group and step; see
+:func:`kaisoku.distributed.sharding.shard_norm_reducer`), so no parameter is ever gathered.
 """
 
 from __future__ import annotations
@@ -66,6 +71,25 @@ def lars_eta(num_params: int) -> float:
     if num_params < 1:
         raise ConfigError("lars_eta: the model has no trainable parameters")
     return min(ETA_MAX, max(ETA_MIN, 0.001 * (ETA_REFERENCE_PARAMS / num_params) ** 0.6))
+
+
+NormReduce: TypeAlias = Callable[[Tensor], Tensor]
+"""``reduce(squares) -> squares``: stacked squared local norms summed over the ranks that share a parameter."""
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """A sharded tensor's local shard (a view: in-place updates reach the parameter), else the tensor."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+def layer_norms(tensors: list[Tensor], reduce: NormReduce | None) -> Tensor:
+    """The stacked 2-norms of ``tensors``; with ``reduce``, of the whole tensors whose local shards they are
+    (``sqrt(sum over ranks of ||shard||^2)``, one ``reduce`` call for all of them)."""
+    norms = torch.stack(torch._foreach_norm(tensors))
+    if reduce is None:
+        return norms
+    return reduce(norms.square()).sqrt()
 
 
 def _check_positive(owner: str, name: str, value: float) -> None:
@@ -131,6 +155,8 @@ class _LayerwiseOptimizer(Optimizer):
         """
         names = group.get("param_names")
         forced = group.get("lars_exclude")
+        sharded = False
+        self._originals: dict[int, Tensor] = {}
         buckets: dict[tuple[torch.device, torch.dtype], tuple[list[list[Tensor]], list[list[Tensor]]]] = {}
         width = 2 + len(state_keys)
         for index, param in enumerate(group["params"]):
@@ -151,11 +177,30 @@ class _LayerwiseOptimizer(Optimizer):
             if key not in buckets:
                 buckets[key] = ([[] for _ in range(width)], [[] for _ in range(width)])
             lists = buckets[key][1 if excluded else 0]
-            lists[0].append(param)
-            lists[1].append(grad)
+            local = _local(param)
+            if local is not param:
+                sharded = True
+                self._originals[id(local)] = param
+            lists[0].append(local)
+            lists[1].append(_local(grad))
             for slot, state_key in enumerate(state_keys, start=2):
-                lists[slot].append(state[state_key])
+                lists[slot].append(_local(state[state_key]))
+        if sharded and self._norm_reduce is None:
+            raise RuntimeError(
+                f"{type(self).__name__} got sharded parameters but no way to sum their norms over the shards; "
+                "call reduce_norms_with(kaisoku.distributed.sharding.shard_norm_reducer(mesh))"
+            )
         return [(tuple(adapted), tuple(excluded)) for adapted, excluded in buckets.values()]
+
+    def _state_of(self, tensor: Tensor) -> dict[str, Any]:
+        """The state of the parameter ``tensor`` is (or, after :meth:`_collect`, the local shard of)."""
+        return self.state[self._originals.get(id(tensor), tensor)]
+
+    _norm_reduce: NormReduce | None = None
+
+    def reduce_norms_with(self, reduce: NormReduce | None) -> None:
+        """Sum each layer's squared local norms with ``reduce`` (sharded parameters); None: local norms."""
+        self._norm_reduce = reduce
 
     _lr_tensors: dict[tuple[int, torch.device], Tensor]
 
@@ -175,6 +220,7 @@ class _LayerwiseOptimizer(Optimizer):
         """torch's optimizer state plus the exclusion rule and the update (copies and pickles keep them)."""
         state = super().__getstate__()
         state.update(_exclude=self._exclude, _eager_update=self._eager_update, _compile=self._compile)
+        state.pop("_norm_reduce", None)  # holds a process group: a copy is given its own
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -326,6 +372,7 @@ class LARS(_LayerwiseOptimizer):
                 nesterov=group["nesterov"],
                 momentum_correction=group["momentum_correction"],
                 adaptation=group["adaptation"],
+                norm_reduce=self._norm_reduce,
             )
 
 
@@ -346,11 +393,13 @@ def lars_update(
     nesterov: bool,
     momentum_correction: bool,
     adaptation: bool,
+    norm_reduce: NormReduce | None = None,
 ) -> None:
     """The LARS update of adapted (``params``...) and excluded tensors, in place, by ``_foreach`` calls.
 
     All tensors share one device and dtype. ``lr`` may be a 0-dim tensor (the compiled path passes one so
-    that a changing learning rate does not recompile). See :class:`LARS` for the formulas.
+    that a changing learning rate does not recompile). See :class:`LARS` for the formulas. With
+    ``norm_reduce`` the tensors are local shards and the norms are summed over the shards (:func:`layer_norms`).
     """
     # The buffer accumulates inner * d and the weights move by -outer * buf: (1, lr) keeps the learning
     # rate out of the buffer (momentum correction), (lr, 1) folds it in.
@@ -360,10 +409,10 @@ def lars_update(
     coeff_weight: Coeff = inner * weight_decay
     trust: Tensor | None = None
     if adaptation and params:
-        norms = torch._foreach_norm(params + grads)
+        norms = layer_norms(params + grads, norm_reduce)
         trust = trust_ratios(
-            torch.stack(norms[: len(params)]),
-            torch.stack(norms[len(params) :]),
+            norms[: len(params)],
+            norms[len(params) :],
             eta=eta,
             weight_decay=weight_decay,
             eps=eps,
@@ -476,7 +525,7 @@ class LAMB(_LayerwiseOptimizer):
                 continue
             steps = []
             for param in params:
-                state = self.state[param]
+                state = self._state_of(param)
                 state["step"] += 1
                 steps.append(state["step"])
             device = params[0].device
@@ -506,6 +555,7 @@ class LAMB(_LayerwiseOptimizer):
                 eps=group["eps"],
                 weight_decay=group["weight_decay"],
                 max_trust=group["max_trust"],
+                norm_reduce=self._norm_reduce,
             )
 
 
@@ -523,12 +573,14 @@ def lamb_update(
     eps: float,
     weight_decay: float,
     max_trust: float,
+    norm_reduce: NormReduce | None = None,
 ) -> None:
     """The LAMB update in place: the first ``count`` tensors adapted, the rest excluded (see :class:`LAMB`).
 
     ``corrections`` is ``[1 / (1 - beta1^t), (1 - beta2^t)^-0.5]`` per tensor (``t`` its step count): two
     lists of floats, or a ``(2, n)`` tensor (the compiled path). ``lr`` may be a 0-dim tensor (the compiled
-    path passes one so that a changing learning rate does not recompile).
+    path passes one so that a changing learning rate does not recompile). With ``norm_reduce`` the tensors
+    are local shards and the norms are summed over the shards (:func:`layer_norms`).
     """
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
@@ -551,8 +603,8 @@ def lamb_update(
     if count:
         if weight_decay != 0:
             torch._foreach_add_(updates_a, params_a, alpha=weight_decay)
-        norms = torch._foreach_norm(params_a + updates_a)
-        weight_norms, update_norms = torch.stack(norms[:count]), torch.stack(norms[count:])
+        norms = layer_norms(params_a + updates_a, norm_reduce)
+        weight_norms, update_norms = norms[:count], norms[count:]
         ratio = weight_norms / update_norms
         if max_trust > 0:
             ratio = ratio.clamp(max=max_trust)

@@ -1,0 +1,98 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), readable on any other layout.
+
+Every rank writes its own shards of the model and optimizer state into one folder; DCP's metadata records
+each tensor's global shape and the pieces, so any layout can read it back: another shard count or
+replica count (resharded on load), plain data parallelism, or a single rank without a process group. Model
+and optimizer state are keyed by parameter name, so the parameter order of the reader does not matter.
+A single-file data-parallel checkpoint (whole tensors, the optimizer's own id-keyed state) loads into a
+sharded model too (:func:`load_full_into_sharded`). Folder naming and atomicity are
+:class:`kaisoku.engine.checkpoint.CheckpointManager`'s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.optim import Optimizer
+
+#: The file DCP writes last, once every rank's shards are in place: a folder without it is incomplete.
+METADATA_FILE = ".metadata"
+
+
+def sharded_state(model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(model_state, optimizer_state)`` keyed by parameter name; sharded parameters stay DTensor shards."""
+    return get_state_dict(model, optimizer)
+
+
+def save_sharded(state: dict[str, Any], folder: Path) -> None:
+    """Write ``state`` (tensors, DTensor shards, small objects) into ``folder``: every rank its own file,
+    fsynced; rank 0 writes the metadata last. A collective: every rank calls it with its own shards."""
+    writer = dcp.FileSystemWriter(folder, sync_files=True, thread_count=1)
+    dcp.save(state, storage_writer=writer)
+
+
+def _read_into(folder: str | Path, model: nn.Module, optimizer: Optimizer) -> tuple[dict, dict]:
+    """This model's and optimizer's state, read from the sharded checkpoint ``folder`` into their layout."""
+    # The templates say which pieces this rank needs; an optimizer without state yet gets it by a
+    # zero-learning-rate step inside get_state_dict (then overwritten here).
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(folder))
+    return state["model"], state["optimizer"]
+
+
+def load_sharded(folder: str | Path, model: nn.Module, optimizer: Optimizer) -> None:
+    """Load the sharded checkpoint ``folder`` into ``model`` and ``optimizer`` (sharded or not, any layout)."""
+    model_state, optimizer_state = _read_into(folder, model, optimizer)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+
+
+def read_full_state(folder: str | Path, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """``{"model", "optimizer"}`` as a single-file checkpoint holds them (whole tensors, the optimizer's own
+    state dict), read from the sharded checkpoint ``folder`` for an unsharded ``model`` and ``optimizer``."""
+    load_sharded(folder, model, optimizer)
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def named_optimizer_state(saved: dict[str, Any], optimizer: Optimizer, model: nn.Module) -> dict[str, Any]:
+    """An optimizer state dict keyed by position (``Optimizer.state_dict``) re-keyed by parameter name.
+
+    ``saved`` must come from an optimizer with the same parameter groups in the same order as
+    ``optimizer`` (the same model through the same optimizer factory).
+    """
+    names = {id(p): name for name, p in model.named_parameters()}
+    saved_groups = saved["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups) or any(
+        len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, optimizer.param_groups)
+    ):
+        raise ValueError("the checkpoint's optimizer has other parameter groups than this one")
+    by_index: dict[int, str] = {}
+    groups = []
+    for saved_group, group in zip(saved_groups, optimizer.param_groups):
+        fqns = [names[id(p)] for p in group["params"]]
+        by_index.update(zip(saved_group["params"], fqns))
+        groups.append({**saved_group, "params": fqns})
+    state = {by_index[index]: value for index, value in saved["state"].items()}
+    return {"state": state, "param_groups": groups}
+
+
+def load_full_into_sharded(
+    model_state: dict[str, Any], optimizer_state: dict[str, Any], model: nn.Module, optimizer: Optimizer
+) -> None:
+    """Load whole-tensor model and optimizer state (a single-file checkpoint) into a sharded model: each
+    rank keeps its own pieces."""
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=model_state,
+        optim_state_dict=named_optimizer_state(optimizer_state, optimizer, model),
+        options=StateDictOptions(full_state_dict=True),
+    )

@@ -1,0 +1,146 @@
+"""Sharded data parallelism: FSDP2 ``fully_shard`` on the model's ordered blocks over the data mesh.
+
+Each ordered block (the unit pipeline partitioning and the memory planner use) becomes one FSDP unit: its
+parameters, gradients and optimizer state live as DTensor shards over the mesh's ``dp_shard`` dimension,
+gathered for its forward and backward and reduce-scattered after. A block made for the split rather than
+held by the model (a ResNet's stem, a ViT's head) never runs as a module in ``model(x)``, so its
+children that belong to the model form the unit instead; the root unit takes what is left (a ViT's class
+token and position embedding). With a 2-D mesh (``dp_replicate`` > 1) this is HSDP: shards within a
+replica, gradients all-reduced between replicas.
+
+LARS and LAMB need each layer's whole-parameter norm: :func:`shard_norm_reducer` sums the local squared
+norms of every layer in one all-reduce over the shard group (replicas hold the same shards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from kaisoku.errors import KaisokuError
+from kaisoku.models.blocks import ordered_blocks
+from kaisoku.precision.float32_layers import Float32Norm, Float32PaddedConv
+
+ShardUnit = nn.Module | list[nn.Module]
+"""What one ``fully_shard`` call takes: a module, or modules that are gathered together."""
+
+
+def shard_units(model: nn.Module) -> list[ShardUnit]:
+    """The FSDP units of ``model`` in execution order, one per ordered block (see the module docstring).
+
+    A model that cannot be split into blocks has none: the root unit then holds the whole model.
+    """
+    try:
+        blocks = ordered_blocks(model)
+    except KaisokuError:
+        return []
+    held = {id(module) for module in model.modules()}
+    units: list[ShardUnit] = []
+    for block in blocks:
+        if not any(True for _ in block.parameters()):
+            continue
+        if id(block) in held:
+            units.append(block)
+            continue
+        children = [c for c in block.children() if id(c) in held and any(True for _ in c.parameters())]
+        if children:
+            units.append(children)
+    return units
+
+
+def mixed_precision(mode: str) -> MixedPrecisionPolicy:
+    """The FSDP2 policy of ``precision.mode``: bf16 weights in forward and backward (and bf16 all-gathers)
+    with fp32 gradient reduction and fp32 outputs for the loss; fp32 leaves everything in fp32."""
+    if mode == "bf16":
+        return MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+        )
+    return MixedPrecisionPolicy()
+
+
+def float32_units(model: nn.Module) -> list[nn.Module]:
+    """Layers the bf16 path keeps in float32 (:mod:`kaisoku.precision.float32_layers`: normalization, convs
+    over maps so small a tap sees only padding) that hold parameters: each its own fp32 unit."""
+    kept = (Float32Norm, Float32PaddedConv)
+    return [
+        m for m in model.modules() if isinstance(m, kept) and any(True for _ in m.parameters(recurse=False))
+    ]
+
+
+def shard_model(
+    model: nn.Module, mesh: DeviceMesh, *, level: Literal["grad", "full"], precision_mode: str
+) -> FSDPModule:
+    """Shard ``model`` in place over ``mesh`` (``("dp_replicate", "dp_shard")``), block by block, then the root.
+
+    ``level`` full reshards each block after its forward (gathered again for backward: the least memory);
+    grad keeps the gathered weights until backward (one gather per block and step, more memory). Under
+    bf16 the blocks are gathered in bf16 and the layers kept in float32 (normalization) in float32, each
+    layer its own small unit; the step still runs under autocast, as the data-parallel bf16 path does.
+    """
+    policy = mixed_precision(precision_mode)
+    # A 2-D mesh makes FSDP2 replicate over the first dimension and shard over the second (HSDP).
+    target = mesh if mesh.size(0) > 1 else mesh["dp_shard"]
+    reshard = level == "full"
+    if policy.param_dtype is not None:
+        # Layers that compute in float32 need float32 weights: gathered as such, in units of their own
+        # (inner units first; the block's unit then leaves them out).
+        for layer in float32_units(model):
+            fully_shard(layer, mesh=target, reshard_after_forward=reshard, mp_policy=MixedPrecisionPolicy())
+    for unit in shard_units(model):
+        # A unit of modules that are all float32 units already (a ResNet stem's conv and norm) has none left.
+        if isinstance(unit, list):
+            unit = [module for module in unit if not isinstance(module, FSDPModule)]
+        if unit and not isinstance(unit, FSDPModule):
+            fully_shard(unit, mesh=target, reshard_after_forward=reshard, mp_policy=policy)
+    # The root's own parameters are needed again at once by backward: keep them gathered.
+    fully_shard(model, mesh=target, reshard_after_forward=False, mp_policy=policy)
+    assert isinstance(model, FSDPModule)
+    return model
+
+
+def set_micro_batch(model: nn.Module, *, last: bool) -> None:
+    """Before a micro-batch's backward: reduce gradients only on the step's last one, and keep the gathered
+    weights between micro-batches (no all-gather per micro-batch); reshard after the last."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
+
+
+def broadcast_buffers(model: nn.Module) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running statistics), as DDP does before each forward.
+
+    Sharding leaves buffers whole and unsynchronised; validation and checkpoints use rank 0's.
+    """
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+
+
+def shard_norm_reducer(mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``reduce(squares) -> squares`` summed over the mesh's shard group in one all-reduce, in place."""
+    group = mesh.get_group("dp_shard")
+
+    def reduce(squares: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(squares, group=group)
+        return squares
+
+    return reduce
+
+
+def local_weights_finite(model: nn.Module) -> torch.Tensor:
+    """A bool tensor: this rank's shards and buffers are all finite (no collective; the caller agrees)."""
+    tensors = []
+    for tensor in model.state_dict().values():
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if local.is_floating_point() and local.numel():
+            tensors.append(local.detach())
+    if not tensors:
+        return torch.ones((), dtype=torch.bool)
+    return torch.isfinite(torch.stack(torch._foreach_norm(tensors)).float()).all()
