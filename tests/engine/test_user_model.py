@@ -21,7 +21,7 @@ STEPS = 8  # one epoch of 256 samples at a global batch of 32
 FEATURES: dict[str, list[str]] = {
     "dp": [],
     "pp2": ["--parallel.pp", "2", "--parallel.microbatches", "2"],
-    "budget": ["--memory.budget", "256KiB"],
+    "budget": ["--memory.budget", "2MiB"],
     "kfac": ["--optim.kfac.enabled", "true", "--optim.kfac.inv-update-steps", "2"],
     "lars": ["--optim.name", "lars", "--sched.name", "arccot", "--train.label-smoothing", "0.1"],
     "bf16": ["--precision.mode", "bf16"],
