@@ -16,7 +16,7 @@ from kaisoku.config import Config
 from kaisoku.data.cosmo import VolumeTargetTransform, ensure_cosmo_dataset
 from kaisoku.data.datagen import ensure_demo_dataset
 from kaisoku.data.loading.counters import LoaderCounters
-from kaisoku.data.loading.dataset import ImageLabelTransform, ShardedDataset
+from kaisoku.data.loading.dataset import ImageLabelTransform, ShardedDataset, ShardSource
 from kaisoku.data.loading.folder import FolderSampler, ImageFolderDataset, ShardedEvalSampler, split_train_val
 from kaisoku.data.loading.loader import ShardLoader, packed_splits
 from kaisoku.data.loading.transforms import AugmentSpec, collate
@@ -189,13 +189,17 @@ def build_data(
             val_loader=_loader(val_set, val_sampler, workers, device, collate),
         )
     train_dir, val_dir = packed
+    # The training set reads through the source its loader counts in and attaches the node cache to.
+    source = ShardSource(LoaderCounters(workers))
     if plan.task == "regression":
         target = str(read_index(train_dir).target)
 
         def transform(train: bool) -> Any:
             return VolumeTargetTransform(seed=cfg.train.seed, train=train, target_field=target)
 
-        train_set = ShardedDataset(train_dir, transform=transform(True), skip_corrupt=cfg.data.skip_corrupt)
+        train_set = ShardedDataset(
+            train_dir, transform=transform(True), skip_corrupt=cfg.data.skip_corrupt, source=source
+        )
         val_set = (
             ShardedDataset(val_dir, transform=transform(False), skip_corrupt=cfg.data.skip_corrupt)
             if val_dir is not None
@@ -209,6 +213,7 @@ def build_data(
             ),
             skip_corrupt=cfg.data.skip_corrupt,
             decode_images=not cfg.data.crop_decode,  # crop decoding needs the encoded bytes
+            source=source,
         )
         val_set = (
             ShardedDataset(

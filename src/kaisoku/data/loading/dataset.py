@@ -119,6 +119,28 @@ class ImageLabelTransform:
         return int(sample[self.label_field])
 
 
+class ShardSource:
+    """Where a dataset reads its shards, and where it counts what it read.
+
+    Until a node cache is attached, shards are the packed files (an mmap each); once the loader attaches
+    one (it needs the run's token, known only after the process group exists), reads go through the
+    cache's tiers and each read's bytes are counted under the tier that served them. The source is built
+    with the dataset and shared with its loader: the dataset's attributes are never patched from outside.
+    """
+
+    def __init__(self, counters: LoaderCounters | None = None, opener: ShardOpener | None = None) -> None:
+        self.counters = counters
+        """Where reads and skips are counted for the loader's ``epoch_stats`` (None: not counted)."""
+        self.opener = opener
+        """``shard_id -> buffer`` holding the whole shard file (None: the shard file's mmap)."""
+        self.tier_of: Callable[[int], str] | None = None
+        """The tier a shard was last read from (the node cache's), to count bytes served per tier."""
+
+    def attach_cache(self, opener: ShardOpener, tier_of: Callable[[int], str]) -> None:
+        """Read through a node cache from now on (see :class:`~kaisoku.data.node_cache.cache.NodeCache`)."""
+        self.opener, self.tier_of = opener, tier_of
+
+
 class ShardedDataset(torch.utils.data.Dataset):
     """Map-style dataset over a packed directory: ``dataset[i]`` is sample ``i`` in packed order.
 
@@ -145,6 +167,7 @@ class ShardedDataset(torch.utils.data.Dataset):
         decode_images: bool = True,
         shard_opener: ShardOpener | None = None,
         check_files: bool = True,
+        source: ShardSource | None = None,
     ) -> None:
         """Open the dataset at ``path`` (a directory, its ``index.json``, or a read :class:`Index`).
 
@@ -152,27 +175,26 @@ class ShardedDataset(torch.utils.data.Dataset):
         where shard bytes come from (see the module docs); default: an mmap per shard file, opened
         on first use in each process. ``check_files``: with the default opener, check now that
         every shard file exists with the size the index gives, so a missing or truncated shard
-        fails at start-up rather than hours into an epoch.
+        fails at start-up rather than hours into an epoch. ``source``: the :class:`ShardSource` shared
+        with the loader that trains on this dataset (its counters, its node cache once attached).
         """
         self.index = path if isinstance(path, Index) else read_index(path)
         self.transform = transform
         self.skip_corrupt = skip_corrupt
         self.verify = verify
         self.decode_images = decode_images
-        self.shard_opener = shard_opener
+        self.source = source if source is not None else ShardSource(opener=shard_opener)
+        if shard_opener is not None:
+            self.source.opener = shard_opener
         self.epoch = 0
         self.skipped = 0  # records skipped as damaged, in this process
-        self.counters: LoaderCounters | None = None
-        """Where reads and skips are counted for the loader's ``epoch_stats`` (set by the loader)."""
-        self.tier_of: Callable[[int], str] | None = None
-        """The tier a shard was last read from (the node cache's), to count bytes served per tier."""
         self._codec = RecordCodec(self.index.fields, self.index.codec)
         self._image_fields = tuple(f.name for f in self.index.fields if f.kind == "image")
         self._starts = self.index.shard_starts()
         self._starts_list = self._starts.tolist()
         self._buffers: dict[int, Any] = {}
         self._pid = os.getpid()
-        if shard_opener is None and check_files and not skip_corrupt:
+        if self.source.opener is None and check_files and not skip_corrupt:
             for shard_id in range(len(self.index.shards)):
                 self._check_file(shard_id)
 
@@ -263,18 +285,19 @@ class ShardedDataset(torch.utils.data.Dataset):
         index = self._starts_list[shard_id] + record
         try:
             view = self._record_view(shard_id, record)
-            if self.counters is not None:
+            if self.source.counters is not None:
                 self._count_read(shard_id, len(view))
             return self._finish(view, shard_id, record, index, epoch)
         except CorruptRecordError as error:
             return self._skip(error)
 
     def _count_read(self, shard_id: int, nbytes: int) -> None:
-        tier = self.tier_of(shard_id) if self.tier_of is not None else "source"
-        assert self.counters is not None
-        self.counters.add(f"served_{tier}_bytes", nbytes)
+        source = self.source
+        tier = source.tier_of(shard_id) if source.tier_of is not None else "source"
+        assert source.counters is not None
+        source.counters.add(f"served_{tier}_bytes", nbytes)
         if tier == "source":
-            self.counters.add("source_records")
+            source.counters.add("source_records")
 
     def read_into(
         self, key: tuple[int, int], out: np.ndarray, data: bytes | memoryview | None = None
@@ -292,7 +315,7 @@ class ShardedDataset(torch.utils.data.Dataset):
         try:
             if data is None:
                 data = self._record_view(shard_id, record)
-                if self.counters is not None:
+                if self.source.counters is not None:
                     self._count_read(shard_id, len(data))
             elif self.verify:
                 check_record(self.index, data, shard_id, record)
@@ -372,8 +395,8 @@ class ShardedDataset(torch.utils.data.Dataset):
         )
 
     def _buffer(self, shard_id: int) -> Any:
-        if self.shard_opener is not None:
-            buffer = self.shard_opener(shard_id)
+        if self.source.opener is not None:
+            buffer = self.source.opener(shard_id)
             size = len(memoryview(buffer))
             if size != self.index.shards[shard_id].nbytes and not self.skip_corrupt:
                 self._size_mismatch(shard_id, size)
@@ -444,8 +467,8 @@ class ShardedDataset(torch.utils.data.Dataset):
         if not self.skip_corrupt:
             raise error
         self.skipped += 1
-        if self.counters is not None:
-            self.counters.add("skipped_records")
+        if self.source.counters is not None:
+            self.source.counters.add("skipped_records")
         if self.skipped <= _LOGGED_SKIPS:
             logger.warning("skipped damaged record: %s", error)
         elif self.skipped == _LOGGED_SKIPS + 1:

@@ -131,8 +131,9 @@ class ShardLoader:
         self._received: RecordStore | None = None
         self._consumed_steps = 0
         self.last_quality: float | None = None
-        self.counters = LoaderCounters(workers)
-        dataset.counters = self.counters
+        if dataset.source.counters is None:  # a dataset built without its loader's counters counts here
+            dataset.source.counters = LoaderCounters(workers)
+        self.counters = dataset.source.counters
         self._cache_baseline = {"source_reads": 0, "source_bytes": 0}
         self._batches = 0
         self._batches_at_stats = 0
@@ -260,8 +261,7 @@ class ShardLoader:
             reader_slots=self.workers + 1,
             shard_crcs=[shard.crc32 for shard in self.dataset.index.shards],
         )
-        self.dataset.shard_opener = self.cache.shard_buffer
-        self.dataset.tier_of = self.cache.tier_of
+        self.dataset.source.attach_cache(self.cache.shard_buffer, self.cache.tier_of)
 
     def _local_dir(self) -> Path | None:
         """The node's local-tier directory: named by the dataset (its shards' CRCs), not by the run, so that
