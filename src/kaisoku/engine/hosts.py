@@ -15,8 +15,10 @@ source and from its host's tiers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,15 @@ from kaisoku.distributed import env
 from kaisoku.fsutil import atomic_write_text
 
 HOSTS_FILE = "hosts.json"
+_ADDRESS = re.compile(r"(?<![\d.])(\d{1,3}(?:\.\d{1,3}){3})(?![\d.])")
+_LOST_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Connection refused", "Broken pipe")
+
+
+def host_address() -> str:
+    """This host's address as its name resolves (what peers see in a connection error); "" if none."""
+    with contextlib.suppress(OSError):
+        return socket.gethostbyname(socket.gethostname())
+    return ""
 
 
 def _read(run_dir: Path) -> dict[str, Any]:
@@ -69,6 +80,7 @@ def record_start(run_dir: Path, world: env.World, *, attempt: int, start_step: i
         "node": world.node,
         "local_rank": world.local_rank,
         "host": socket.gethostname(),
+        "address": host_address(),
         "pid": os.getpid(),
     }
     ranks = [dict(entry) for entry in env.all_gather_object(mine)]  # type: ignore[call-overload]
@@ -87,6 +99,21 @@ def record_start(run_dir: Path, world: env.World, *, attempt: int, start_step: i
     state["attempts"].append(current)
     atomic_write_text(run_dir / HOSTS_FILE, json.dumps(state, indent=1))
     return world_change_line(previous, current)
+
+
+def name_lost_host(run_dir: Path, cause: str) -> str:
+    """``cause`` (a rank's lost-peer line) as ``lost host NAME (ranks ...): how`` when the peer's address in
+    it is a host of the newest attempt in ``hosts.json``; ``cause`` unchanged otherwise."""
+    ranks = newest_attempt(run_dir).get("ranks", [])
+    here = socket.gethostname()
+    for address in _ADDRESS.findall(cause):
+        lost = [entry for entry in ranks if entry.get("address") == address and entry.get("host") != here]
+        if lost:
+            name = lost[0]["host"]
+            numbers = ", ".join(str(entry["rank"]) for entry in lost)
+            how = next((sign.lower() for sign in _LOST_SIGNS if sign in cause), "no answer")
+            return f"lost host {name} (rank{'s' if len(lost) > 1 else ''} {numbers}): {how} from {address}"
+    return cause
 
 
 def newest_attempt(run_dir: Path) -> dict[str, Any]:
