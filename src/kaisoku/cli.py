@@ -24,6 +24,9 @@ from kaisoku.errors import ConfigError, KaisokuError
 # Short flags for the settings people change most; each is also reachable by its dotted key.
 _SHORTCUTS = {
     "nproc": "dist.nproc",
+    "nnodes": "dist.nnodes",
+    "node_rank": "dist.node_rank",
+    "rdzv_endpoint": "dist.rdzv_endpoint",
     "max_steps": "train.max_steps",
     "run_dir": "run_dir",
     "resume": "checkpoint.resume",
@@ -59,6 +62,15 @@ def _train_parser() -> argparse.ArgumentParser:
         help="print the run plan (layouts, batch sizes, sample shape, task, steps per epoch, ...) and exit",
     )
     parser.add_argument("--nproc", help="ranks to launch on this node (dist.nproc)")
+    parser.add_argument(
+        "--nnodes", help="hosts: N, or MIN:MAX to go on after losing hosts (dist.nnodes); same on every host"
+    )
+    parser.add_argument(
+        "--node-rank", help="this host's index with a fixed --nnodes (static rendezvous) (dist.node_rank)"
+    )
+    parser.add_argument(
+        "--rdzv-endpoint", help="HOST[:PORT] where the hosts meet with --nnodes > 1 (dist.rdzv_endpoint)"
+    )
     parser.add_argument("--max-steps", help="stop after this many optimizer steps (train.max_steps)")
     parser.add_argument("--run-dir", help="run folder (run_dir)")
     parser.add_argument("--resume", help='"auto" or a checkpoint file (checkpoint.resume)')
@@ -112,6 +124,7 @@ def cmd_train(argv: Sequence[str]) -> int:
     """``kaisoku train``."""
     # start-up: each command imports only what it runs
     from kaisoku.distributed.env import inside_slurm_step, inside_torchrun
+    from kaisoku.distributed.launch import node_counts
 
     cfg, args = resolve_config(argv)
     if args.print_config:
@@ -123,15 +136,18 @@ def cmd_train(argv: Sequence[str]) -> int:
     from kaisoku.run_facts import plan_run, planned_world
 
     # Everything that can be known before launch is refused here, before any rank or run folder exists.
-    plan = plan_run(cfg, planned_world(cfg.dist.nproc), user_parts(cfg))
+    fewest, most = node_counts(cfg.dist.nnodes)
+    plan = plan_run(cfg, planned_world(cfg.dist.nproc, most), user_parts(cfg))
+    if not (inside_torchrun() or inside_slurm_step()):
+        for nodes in range(fewest, most):  # an elastic run must fit every host count it may shrink to
+            plan_run(cfg, planned_world(cfg.dist.nproc, nodes), user_parts(cfg))
     if args.print_plan:
         print(plan.describe())
         return 0
-    nproc = plan.world.world_size
-    if inside_torchrun() or inside_slurm_step() or nproc == 1:
+    if inside_torchrun() or inside_slurm_step() or plan.world.world_size == 1:
         run_training(cfg)
         return 0
-    return train_on_local_ranks(cfg, nproc)
+    return train_on_local_ranks(cfg, plan.world.ranks_per_node)
 
 
 def cmd_datagen(argv: Sequence[str]) -> int:

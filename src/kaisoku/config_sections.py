@@ -208,6 +208,12 @@ class DistConfig:
 
     nproc: int = 0
     """Ranks to launch on this node; 0: one per GPU, else 2 CPU ranks."""
+    nnodes: str = "1"
+    """Hosts of the run: N, or MIN:MAX to go on with fewer hosts after one is lost (torchrun elastic restarts, dist.max_restarts); more than 1 needs dist.rdzv_endpoint and the same command on every host."""
+    node_rank: int = -1
+    """This host's index with a fixed dist.nnodes (torchrun's static rendezvous at dist.rdzv_endpoint); -1: hosts get their index at the c10d rendezvous."""
+    rdzv_endpoint: str = ""
+    """HOST[:PORT] of the rendezvous with dist.nnodes > 1 (port 29400 when left out): an address of one of the hosts every host can reach."""
     timeout: float = 300.0
     """Seconds a collective waits for a peer before the run stops (torch's own default is 30 minutes)."""
     max_restarts: int = 0

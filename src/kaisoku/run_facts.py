@@ -213,14 +213,14 @@ def describe_model(cfg: Config, data: DataFacts, parts: UserParts | None = None)
     )
 
 
-def planned_world(nproc: int) -> WorldShape:
+def planned_world(nproc: int, nnodes: int = 1) -> WorldShape:
     """The world a run will have: the launcher's inside torchrun or a Slurm step, else ``nproc`` ranks on
-    this node (0: one per GPU, else 2)."""
+    each of ``nnodes`` hosts (``nproc`` 0: one per GPU, else 2)."""
     if inside_torchrun() or inside_slurm_step():
         world = world_from_env()
         return WorldShape(world.world_size, world.local_world_size)
-    size = planned_world_size(nproc)
-    return WorldShape(size, size)
+    per_node = planned_world_size(nproc)
+    return WorldShape(per_node * max(1, nnodes), per_node)
 
 
 def plan_run(cfg: Config, world: WorldShape | int | None = None, parts: UserParts | None = None) -> RunPlan:

@@ -29,6 +29,7 @@ def test_probe_writes_a_profile_that_plan_reads(tmp_path: Path, capsys: pytest.C
     profile = tomllib.loads(out.read_text())
     # --train: the step time of the config's model at its per-rank batch (8 over 2 ranks), in [compute]
     assert profile["compute"]["batch_per_rank"] == 4 and profile["compute"]["step_seconds"] > 0
+    assert profile["cluster"]["ranks_per_node"] == 2  # the plan prices the steps of the ranks timed
     assert "small-cnn" in profile["probe"]["compute_method"]
     fs = profile["shared_fs"]
     assert fs["readers"] == [1, 2, 4, 8, 16]
@@ -39,6 +40,7 @@ def test_probe_writes_a_profile_that_plan_reads(tmp_path: Path, capsys: pytest.C
     cluster = load_cluster(out)
     assert cluster.nodes == 1 and cluster.fs_seq.at(1) > 0
     assert cluster.step_seconds == profile["compute"]["step_seconds"] and cluster.batch_per_rank == 4
+    assert cluster.ranks_per_node == 2
     assert "wrote" in capsys.readouterr().out
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
+import subprocess
 import threading
 from dataclasses import dataclass
 
@@ -84,20 +86,33 @@ def world_from_env() -> World:
     return World()
 
 
+def expand_hostlist(nodelist: str) -> list[str]:
+    """A Slurm host list (``node[01-03,07],gpu5``) as host names, without ``scontrol``."""
+    hosts: list[str] = []
+    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\])?", nodelist):
+        prefix, ranges = match.group(1), match.group(2)
+        if ranges is None:
+            hosts.append(prefix)
+            continue
+        for part in ranges.split(","):
+            first, _, last = part.partition("-")
+            width = len(first)  # zero padding as written: node[01-03]
+            for number in range(int(first), int(last or first) + 1):
+                hosts.append(f"{prefix}{number:0{width}d}")
+    return hosts
+
+
 def _slurm_master_addr() -> str:
     nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "")
     if not nodelist:
         raise KaisokuError("under srun but SLURM_JOB_NODELIST is unset; set MASTER_ADDR to the first node")
-    import subprocess
-
     try:
         out = subprocess.run(
             ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
         )
         return out.stdout.split()[0]
     except (OSError, subprocess.CalledProcessError, IndexError):
-        # A plain list such as "node1,node2" needs no scontrol.
-        return nodelist.split(",")[0]
+        return expand_hostlist(nodelist)[0]  # scontrol is not on every compute node
 
 
 def pick_device(preference: str, world: World) -> torch.device:
@@ -200,6 +215,15 @@ def barrier() -> None:
     """Wait for every rank, where there is more than one."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def all_gather_object(obj: object) -> list[object]:
+    """Every rank's ``obj``, in rank order; ``[obj]`` on a single rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def broadcast_object(obj: object, src: int = 0) -> object:

@@ -1,8 +1,10 @@
 """Starting the ranks of one node through torchrun's own launcher (``torch.distributed.run``).
 
 ``kaisoku train`` outside torchrun or a Slurm step with more than one rank calls :func:`launch_local`,
-which runs torchrun's parser and ``run`` in this process with ``--standalone``: the same elastic agent,
-restarts and failure reports as the ``torchrun`` command, without a launcher of kaisoku's own.
+which runs torchrun's parser and ``run`` in this process: the same elastic agent, restarts and failure
+reports as the ``torchrun`` command, without a launcher of kaisoku's own. On one host it runs with
+``--standalone``; across hosts (a :class:`Rendezvous`) every host runs the same command, and torchrun's
+c10d rendezvous at ``--rdzv-endpoint`` (or its static one, with ``--node-rank``) joins them.
 """
 
 from __future__ import annotations
@@ -16,9 +18,101 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kaisoku.errors import ConfigError
+
 #: Set in the ranks to the launcher's pid: a rank whose launcher has gone stops (see die_with_launcher).
 LAUNCHER_PID_ENV = "KAISOKU_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
+
+
+DEFAULT_RDZV_PORT = 29400
+#: Seconds the c10d rendezvous waits for more hosts once MIN have joined (torchrun's default is 30): the
+#: part of a lost host's recovery spent waiting for hosts that may come.
+LAST_CALL_S = 5
+
+
+def node_counts(nnodes: str) -> tuple[int, int]:
+    """``dist.nnodes`` (``N`` or ``MIN:MAX``) as (MIN, MAX); ConfigError naming the field otherwise."""
+    parts = str(nnodes).split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, 0)
+    except ValueError:
+        low, high = 0, 0
+    if not 1 <= low <= high:
+        raise ConfigError(f"dist.nnodes must be N or MIN:MAX with 1 <= MIN <= MAX (got '{nnodes}')")
+    return low, high
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """How the hosts of a multi-host run find each other (torchrun's rendezvous)."""
+
+    nnodes: str
+    """N or MIN:MAX hosts."""
+    endpoint: str
+    """HOST:PORT every host can reach."""
+    run_id: str
+    """The same on every host of one run (derived from the run folder)."""
+    node_rank: int = -1
+    """This host's index for the static rendezvous; -1: c10d assigns it."""
+    join_timeout: float = 600.0
+    """Seconds a host waits for the others to join."""
+
+    def torchrun_args(self) -> list[str]:
+        """The rendezvous flags of the torchrun command line."""
+        if self.node_rank >= 0:
+            host, port = self.endpoint.rsplit(":", 1)
+            return [
+                f"--nnodes={self.nnodes}",
+                f"--node-rank={self.node_rank}",
+                "--rdzv-backend=static",
+                f"--master-addr={host}",
+                f"--master-port={port}",
+            ]
+        return [
+            f"--nnodes={self.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.run_id}",
+            f"--rdzv-conf=join_timeout={int(self.join_timeout)},last_call_timeout={LAST_CALL_S}",
+        ]
+
+
+def rendezvous_for(
+    nnodes: str, node_rank: int, endpoint: str, *, run_id: str, join_timeout: float
+) -> Rendezvous | None:
+    """The rendezvous of ``dist.nnodes`` / ``dist.node_rank`` / ``dist.rdzv_endpoint``; None for one host.
+
+    Refuses (ConfigError, one line) what torchrun would fail on later: no endpoint across hosts, a node
+    rank outside the host count, or a node rank with an elastic MIN:MAX (static rendezvous is fixed).
+    """
+    low, high = node_counts(nnodes)
+    if high == 1:
+        if node_rank > 0:
+            raise ConfigError(f"dist.node_rank is {node_rank} but dist.nnodes is 1; set --nnodes")
+        return None
+    if not endpoint:
+        raise ConfigError(
+            f"dist.nnodes is {nnodes} but dist.rdzv_endpoint is empty; set --rdzv-endpoint HOST[:PORT] to "
+            "an address of one host (the same on every host)"
+        )
+    if node_rank >= 0 and low != high:
+        raise ConfigError(
+            f"dist.node_rank needs a fixed dist.nnodes, not {nnodes}; leave --node-rank out for elastic runs"
+        )
+    if node_rank >= high:
+        raise ConfigError(f"dist.node_rank is {node_rank} but there are {high} hosts (0 to {high - 1})")
+    host, _, port = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "")
+    if port and not port.isdigit():
+        raise ConfigError(f"dist.rdzv_endpoint must be HOST[:PORT] (got '{endpoint}')")
+    address = f"{host}:{port or DEFAULT_RDZV_PORT}"
+    return Rendezvous(
+        nnodes=f"{low}:{high}" if low != high else str(high),
+        endpoint=address,
+        run_id=run_id,
+        node_rank=node_rank,
+        join_timeout=join_timeout,
+    )
 
 
 @dataclass(frozen=True)
@@ -108,8 +202,12 @@ def launch_local(
     max_restarts: int = 0,
     env: dict[str, str] | None = None,
     on_restart: Callable[[tuple[RankFailure, ...], int], None] | None = None,
+    rendezvous: Rendezvous | None = None,
 ) -> LaunchResult:
     """Run ``entry`` (``["-m", "module", *args]`` or ``["script.py", *args]``) on ``nproc`` local ranks.
+
+    ``rendezvous`` joins this host's ranks to those of the other hosts (each running the same call);
+    None: this host alone (``--standalone``).
 
     torchrun has stopped every rank when this returns. ``OMP_NUM_THREADS`` defaults to the usable
     cores shared out among the ranks; ``env`` is added to the ranks' environment, with this process's
@@ -127,7 +225,7 @@ def launch_local(
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     torchrun_args = get_args_parser().parse_args(
         [
-            "--standalone",
+            *(rendezvous.torchrun_args() if rendezvous is not None else ["--standalone"]),
             f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}",
             "--monitor-interval=0.5",

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kaisoku.data.node_cache.cache import NodeCacheError
+from kaisoku.engine import hosts
 from kaisoku.engine.divergence import NonFiniteError
 from kaisoku.errors import KaisokuError
 from kaisoku.fsutil import atomic_write_text
@@ -427,6 +428,8 @@ def report_launch(
     died = [(rank, how) for rank, how, by_signal in failures if by_signal]
     records = read_failures(run_dir, latest_attempt=True)
     failure = decide(records, died, interrupted=interrupted)
+    if failure.kind == "peer":
+        failure.cause = hosts.name_lost_host(run_dir, failure.cause)
     if failure.kind == "unknown" and not records and failures:
         rank, how, _ = failures[0]
         failure.cause = f"rank {rank} stopped ({how})"
@@ -467,6 +470,8 @@ def report_restart(run_dir: Path, failures: list[tuple[int, str, bool]], *, rest
         )
         write_record(run_dir, failure)
         cause = failure.cause
+    elif own[rank].kind == "peer":
+        cause = hosts.name_lost_host(run_dir, own[rank].cause)
     else:
         cause = f"rank {rank} failed: {own[rank].cause}"
     newest = newest_checkpoint_step(run_dir)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import hashlib
 import logging
 import os
 import signal
@@ -18,8 +20,8 @@ from kaisoku.config import Config, to_toml
 from kaisoku.data.loading.loader import ShardLoader
 from kaisoku.data.node_cache.cache import claim_tier, reclaim_dead_tiers, remove_tier
 from kaisoku.distributed import env
-from kaisoku.distributed.launch import die_with_launcher, launch_local
-from kaisoku.engine import failures
+from kaisoku.distributed.launch import Rendezvous, die_with_launcher, launch_local, rendezvous_for
+from kaisoku.engine import failures, hosts
 from kaisoku.engine import run_dir as run_dir_lock
 from kaisoku.engine.build import build_trainer
 from kaisoku.engine.checkpoint import CheckpointManager
@@ -33,6 +35,22 @@ from kaisoku.parts import UserParts
 
 log = logging.getLogger("kaisoku.engine.run")
 
+#: Set in the ranks of a run over several hosts, each with a launcher of its own: rank 0 holds the run
+#: folder (no single launcher can), as in a run started by torchrun or srun.
+MULTIHOST_ENV = "KAISOKU_MULTIHOST"
+
+
+def rendezvous_of(cfg: Config) -> Rendezvous | None:
+    """The rendezvous of ``cfg.dist`` (None on one host); its id is the run folder's, alike on every host."""
+    run_id = "kaisoku-" + hashlib.sha256(str(Path(cfg.run_dir).expanduser()).encode()).hexdigest()[:12]
+    return rendezvous_for(
+        cfg.dist.nnodes,
+        cfg.dist.node_rank,
+        cfg.dist.rdzv_endpoint,
+        run_id=run_id,
+        join_timeout=cfg.dist.timeout,
+    )
+
 
 def train_on_local_ranks(cfg: Config, nproc: int, *, rank_entry: Sequence[str] | None = None) -> int:
     """Start ``nproc`` ranks on this node that train ``cfg``; the exit code for ``kaisoku train``.
@@ -41,11 +59,20 @@ def train_on_local_ranks(cfg: Config, nproc: int, *, rank_entry: Sequence[str] |
     The config goes to ``RUN_DIR/config.toml`` and each rank runs ``kaisoku train --config`` on it (or
     ``rank_entry``, a script and its arguments, which tests use to wrap :func:`run_training`). A failed
     rank is reported in one line; only complete checkpoints are left, and no RAM tier of a rank that died.
+
+    With ``dist.nnodes`` > 1 every host runs this with the same config; torchrun's rendezvous joins them
+    (:func:`rendezvous_of`) and rank 0, wherever it lands, holds the run folder.
     """
 
+    rendezvous = rendezvous_of(cfg)
     dataset_root(cfg)  # generate the demo set once, before the ranks start
     run_dir = Path(cfg.run_dir).expanduser()
-    lock = run_dir_lock.claim(cfg)
+    # Across hosts rank 0 takes the folder's lock once the ranks run; each host checks the folder now, so
+    # that a run it would refuse stops here with one line.
+    lock: run_dir_lock.RunFolderLock | None = run_dir_lock.claim(cfg, lock=rendezvous is None)
+    if rendezvous is not None and lock is not None:
+        lock.release()
+        lock = None
     try:
         _reclaim_ram_tiers(cfg)
         config_path = run_dir / "config.toml"
@@ -55,7 +82,8 @@ def train_on_local_ranks(cfg: Config, nproc: int, *, rank_entry: Sequence[str] |
             raise run_dir_lock.unwritable(run_dir, error) from None
         entry = list(rank_entry) if rank_entry is not None else ["-m", "kaisoku", "train"]
         failures.clear_records(run_dir)
-        failures.start_run(run_dir, world_size=nproc, **run_dir_lock.owner_fields())
+        if rendezvous is None:
+            failures.start_run(run_dir, world_size=nproc, **run_dir_lock.owner_fields())
 
         def on_restart(failed: Sequence[Any], restart: int) -> None:
             seen = [(f.rank, f.how, f.signal) for f in failed]
@@ -65,8 +93,9 @@ def train_on_local_ranks(cfg: Config, nproc: int, *, rank_entry: Sequence[str] |
             [*entry, "--config", str(config_path)],
             nproc=nproc,
             max_restarts=cfg.dist.max_restarts,
-            env={failures.LAUNCHER_ENV: "1"},
+            env={failures.LAUNCHER_ENV: "1", MULTIHOST_ENV: "1" if rendezvous is not None else ""},
             on_restart=on_restart,
+            rendezvous=rendezvous,
         )
         _reclaim_ram_tiers(cfg)  # what ranks killed without a word left behind
         if result.ok:
@@ -83,7 +112,8 @@ def train_on_local_ranks(cfg: Config, nproc: int, *, rank_entry: Sequence[str] |
             write_report(run_dir)
         return code
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
 
 
 def run_training(
@@ -98,19 +128,24 @@ def run_training(
     world = env.world_from_env()
     run_dir = Path(cfg.run_dir).expanduser()
     launched = os.environ.get(failures.LAUNCHER_ENV) == "1"
+    multihost = os.environ.get(MULTIHOST_ENV) == "1"
+    restart = failures.restart_attempt()
+    resume = cfg.checkpoint.resume
+    if restart > 0:
+        resume = "auto"  # a rank restarted by torchrun continues from the newest checkpoint
     lock: run_dir_lock.RunFolderLock | None = None
     if launched:
         die_with_launcher()
         failures.redirect_to_log(run_dir, world.rank, keep_stdout=world.is_main)
-    else:  # no kaisoku launcher to hold the run folder and keep run.json: rank 0 does
-        lock = run_dir_lock.claim(cfg, lock=world.is_main)
-        if world.is_main:
+    if not launched or multihost:  # no single kaisoku launcher holds the run folder and run.json: rank 0 does
+        claimed = cfg
+        if resume != cfg.checkpoint.resume:
+            claimed = copy.deepcopy(cfg)
+            claimed.checkpoint.resume = resume
+        lock = run_dir_lock.claim(claimed, lock=world.is_main)
+        if world.is_main and restart == 0:
             failures.start_run(run_dir, world_size=world.world_size, **run_dir_lock.owner_fields())
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or _threads_per_rank(world)))
-    resume = cfg.checkpoint.resume
-    restart = failures.restart_attempt()
-    if restart > 0:
-        resume = "auto"  # a rank restarted by torchrun continues from the newest checkpoint
     if world.local_rank == 0:
         _reclaim_ram_tiers(cfg)  # e.g. the tier of this node's rank 0 in the attempt that was restarted
     # torchrun stops the other ranks with SIGTERM when one fails: exit through Python so that
@@ -135,12 +170,14 @@ def run_training(
             try:
                 if resume:
                     trainer.metrics.continue_from(trainer.state.step, restart=restart)
+                _record_world(trainer, run_dir, world, restart)
                 if customize is not None:
                     customize(trainer)
                 try:
                     summary = trainer.fit()
                 finally:
                     trainer.metrics.close()
+                hosts.record_end(run_dir, world, _data_counters(trainer))
                 env.barrier()  # no rank may still read staged shards when the node cache deletes them
                 finished = True
             finally:
@@ -153,13 +190,38 @@ def run_training(
                 if trainer.precision.monitor is not None:
                     trainer.precision.monitor.print_table()
                 print(finish_line(summary, run_dir), flush=True)
-                if not launched:
+                if not launched or multihost:
                     failures.mark_run(run_dir, status="completed", ended=time.time())
             env.shutdown()
     finally:
         if lock is not None:
             lock.release()
     return summary
+
+
+def _record_world(trainer: Trainer, run_dir: Path, world: env.World, restart: int) -> None:
+    """Which host runs which rank (``hosts.json``, a ``world`` metrics line); one line when the world
+    changed size since the previous attempt. A collective: every rank calls it once the group is up."""
+    step = trainer.state.step
+    change = hosts.record_start(run_dir, world, attempt=restart, start_step=step)
+    if world.is_main:
+        attempt = hosts.newest_attempt(run_dir)
+        trainer.metrics.log(
+            {
+                "step": step,
+                "event": "world",
+                "world_size": world.world_size,
+                "hosts": attempt.get("hosts", {}),
+            }
+        )
+    if change is not None:
+        trainer.metrics.message(change)
+
+
+def _data_counters(trainer: Trainer) -> dict[str, int]:
+    """This rank's node-cache counters (reads of the shared source, tier hits); empty without a cache."""
+    loader = trainer.train_data
+    return loader.stats() if isinstance(loader, ShardLoader) else {}
 
 
 def _data_paths(trainer: Trainer) -> tuple[bool, bool]:

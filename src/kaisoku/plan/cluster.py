@@ -23,7 +23,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from kaisoku.data.shards.format import read_index
+from kaisoku.data.shards.format import read_index, split_dirs
 from kaisoku.errors import ConfigError
 from kaisoku.plan.model import MB, Cluster, Dataset, RateTable
 from kaisoku.units import parse_bytes
@@ -196,6 +196,12 @@ def load_dataset(spec: str | Path) -> Dataset:
     if p.suffix == ".toml":
         return dataset_from_dict(_load(p), str(p))
     index_file = p / "index.json" if p.is_dir() else p
+    if p.is_dir() and not index_file.is_file():
+        # A packed root with one folder per split (as kaisoku train and inspect take it): its training split.
+        splits = split_dirs(p)
+        chosen = [d for d in splits if d.name == "train"] or splits[:1]
+        if chosen:
+            index_file = chosen[0] / "index.json"
     if not index_file.is_file():
         raise ConfigError(
             f"--dataset {spec}: neither a .toml description nor a packed dataset (no index.json)"

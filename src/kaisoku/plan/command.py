@@ -8,6 +8,7 @@ node count (1 to 4,096) per strategy (matplotlib, from the ``plot`` extra).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -37,6 +38,8 @@ from kaisoku.plan.model import (
 from kaisoku.units import format_bytes
 
 PLOT_NODES = tuple(2**k for k in range(13))  # 1 .. 4096
+BLOCK_SHARDS = 8
+"""The block shuffle's shards per block, as the model prices it and the printed flags set it."""
 
 
 @lru_cache(maxsize=256)
@@ -48,7 +51,7 @@ def _quality(
     if shuffle == "partial":
         plan = partial_plan(sizes, 0, 1, num_nodes=nodes, exchange=exchange, global_batch=global_batch)
         return shuffle_quality(plan.node_orders[0], sizes, node_batch)
-    spec = ShuffleSpec(name=shuffle, block_shards=8 if shuffle == "block" else 8)
+    spec = ShuffleSpec(name=shuffle, block_shards=BLOCK_SHARDS)
     return shuffle_quality(epoch_order(sizes, 0, 1, spec, global_batch), sizes, global_batch)
 
 
@@ -57,8 +60,12 @@ def shuffle_quality_estimate(strategy: Strategy, dataset: Dataset, cluster: Clus
 
     Evaluated with the same functions training uses (:mod:`kaisoku.data.order.shuffle`, ``quality``) on at
     most 32 nodes, 2,048 shards, 1,000 samples per shard and 2^18 samples, keeping shards per node and the node batch
-    where that fits (partial: node 0's batches; others: global batches).
+    where that fits (partial: node 0's batches; others: global batches). Within [0, 1]; a block shuffle
+    whose block holds every shard is a global one and scores as such.
     """
+    if strategy.shuffle == "block" and dataset.num_shards <= BLOCK_SHARDS:
+        # One block spans every shard: the order is a full shuffle, as random as global.
+        strategy = dataclasses.replace(strategy, shuffle="global")
     q_nodes = min(nodes, 32) if strategy.shuffle == "partial" else 1
     shards_per_node = (
         max(1, dataset.num_shards // nodes) if strategy.shuffle == "partial" else dataset.num_shards
@@ -69,24 +76,31 @@ def shuffle_quality_estimate(strategy: Strategy, dataset: Dataset, cluster: Clus
     if strategy.shuffle != "partial":
         node_batch *= nodes
     node_batch = max(1, min(node_batch, shards * per_shard // (2 * q_nodes)))
-    return round(_quality(strategy.shuffle, strategy.exchange, shards, per_shard, q_nodes, node_batch), 3)
+    quality = _quality(strategy.shuffle, strategy.exchange, shards, per_shard, q_nodes, node_batch)
+    # The metric is measured against a random order's expectation; a finite sample can land above it.
+    return round(min(1.0, max(0.0, quality)), 3)
 
 
 def train_flags(strategy: Strategy, cluster: Cluster, dataset: Dataset) -> str:
-    """The ``kaisoku train`` flags of ``strategy`` on ``cluster``."""
+    """The ``kaisoku train`` flags of ``strategy`` on ``cluster``: the readers the model priced, and tiers
+    no larger than the dataset (a node never stages more than all of it) nor the node's capacity."""
     local = cluster.local_path or "/local/kaisoku"
-    flags: list[str] = []
     if not strategy.staged:
-        return "--data.path <image folder> --data.shuffle global   # files read one by one, no staging"
-    flags += [f"--data.shuffle {strategy.shuffle}"]
+        workers = max(1, cluster.readers_per_node // max(1, cluster.ranks_per_node))
+        return (
+            f"--data.path <image folder> --data.shuffle global --data.workers {workers}"
+            "   # files read one by one, no staging"
+        )
+    flags = [f"--data.shuffle {strategy.shuffle}"]
     if strategy.shuffle == "block":
-        flags.append("--data.block-shards 8")
+        flags.append(f"--data.block-shards {BLOCK_SHARDS}")
     if strategy.shuffle == "partial":
         flags.append(f"--data.exchange {strategy.exchange:g}")
     if cluster.local_capacity > 0:
-        flags += [f"--data.local-cache {local}", f"--data.local-capacity {_size(cluster.local_capacity)}"]
+        size = _size(min(cluster.local_capacity, _at_least(dataset.nbytes)))
+        flags += [f"--data.local-cache {local}", f"--data.local-capacity {size}"]
     if cluster.ram_capacity > 0:
-        flags.append(f"--data.ram-capacity {_size(cluster.ram_capacity)}")
+        flags.append(f"--data.ram-capacity {_size(min(cluster.ram_capacity, _at_least(dataset.nbytes)))}")
     return "--data.path <packed dataset> " + " ".join(flags)
 
 
@@ -95,6 +109,12 @@ def _size(nbytes: float) -> str:
     if nbytes >= 2**30:
         return f"{int(nbytes // 2**30)}GiB"
     return f"{max(1, int(nbytes // 2**20))}MiB"
+
+
+def _at_least(nbytes: float) -> float:
+    """``nbytes`` rounded up to whole MiB (GiB from 1 GiB up), so that :func:`_size` of it holds it."""
+    unit = 2**30 if nbytes >= 2**30 else 2**20
+    return float(-(-int(nbytes) // unit) * unit)
 
 
 def plan_record(

@@ -364,6 +364,7 @@ def measure_step(cfg: Config, *, config: str | Path, seconds: float = 10.0, rank
     return {
         "step_seconds": round(statistics.median(times), 6),
         "batch_per_rank": batch,
+        "ranks": world,
         "config": str(config),
         "method": (
             f"median of {len(times)} steps (forward, loss, backward, {cfg.optim.name} step) of "
@@ -418,6 +419,8 @@ def cmd_probe(argv: Sequence[str], *, train_config: Callable[[str], Config]) -> 
         seconds = min(30.0, max(1.0, args.seconds / 4))
         step = measure_step(train_cfg, config=args.train, seconds=seconds, ranks=args.ranks)
         profile["compute"] = {"step_seconds": step["step_seconds"], "batch_per_rank": step["batch_per_rank"]}
+        # The step was timed at the per-rank batch of this many ranks: the plan prices that many per node.
+        profile["cluster"]["ranks_per_node"] = step["ranks"]
         profile["probe"]["compute_method"] = f"{step['method']}; config {step['config']}"
     header = (
         "# kaisoku probe profile: measured on this node (see [probe] for how); "
