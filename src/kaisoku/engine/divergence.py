@@ -83,6 +83,20 @@ class NonFiniteGuard:
         self._mark(any_bad, first)
         return ~any_bad
 
+    def skips_step(self) -> bool:
+        """Watch this step's gradients; under ``every_step`` (the ``skip`` policy), True when the step must be
+        dropped as a gradient scaler drops one (counted; the engine then only advances the schedule)."""
+        finite = self.observe_grads()
+        if not self.every_step:
+            return False
+        if bool(finite):
+            self.consecutive = 0
+            return False
+        self.skipped += 1
+        self.consecutive += 1
+        self.reset()  # a skipped step is handled, not a divergence to report
+        return True
+
     def check(self) -> NonFinite | None:
         """One host sync: what was seen since the last reset, or None."""
         step, where = int(self._first_step.item()), int(self._first_where.item())

@@ -78,17 +78,10 @@ class ShardedStep:
                 loss = self.loss_fn(self._model(inputs), targets) / count
             loss.backward()
             total += loss.detach().float()
-        if self.guard is not None:
-            finite = self.guard.observe_grads()
-            if self.guard.every_step and not bool(finite):
-                self.guard.skipped += 1
-                self.guard.consecutive += 1
-                self.guard.reset()
-                self._optimizer.zero_grad(set_to_none=True)
-                self._scheduler.step()
-                return total
-            if self.guard.every_step:
-                self.guard.consecutive = 0
+        if self.guard is not None and self.guard.skips_step():
+            self._optimizer.zero_grad(set_to_none=True)
+            self._scheduler.step()
+            return total
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
         self._scheduler.step()

@@ -197,18 +197,11 @@ class DataParallelStep:
             self._scheduler.step()
             return total
         # Under fp16 the scaler skips overflowing steps itself; non-finite gradients are routine there.
-        if self.guard is not None and not scaler.is_enabled():
-            finite = self.guard.observe_grads()
-            if self.guard.every_step and not bool(finite):
-                # Skip the step as a gradient scaler does: no update, the schedule moves on.
-                self.guard.skipped += 1
-                self.guard.consecutive += 1
-                self.guard.reset()  # a skipped step is handled, not a divergence to report
-                self._optimizer.zero_grad(set_to_none=True)
-                self._scheduler.step()
-                return total
-            if self.guard.every_step:
-                self.guard.consecutive = 0
+        if self.guard is not None and not scaler.is_enabled() and self.guard.skips_step():
+            # Skip the step as a gradient scaler does: no update, the schedule moves on.
+            self._optimizer.zero_grad(set_to_none=True)
+            self._scheduler.step()
+            return total
         if self.preconditioner is not None:
             scaler.unscale_(self._optimizer)
             self.preconditioner.step()
