@@ -80,7 +80,7 @@ def test_unknown_unit() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def _saved(state: dict[str, Any]) -> dict[str, Any]:
+def saved(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` written and read back as a checkpoint file would be."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -107,7 +107,7 @@ def _switch_two_ranks(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
     hybrid = _hybrid(mlp_layernorm(), ParallelLayout(1, 2))
     losses = [_step(hybrid, *batch) for batch in data[:2]]
     before = hybrid.full_state_dict()
-    record = _saved(before)  # what a checkpoint written here keeps
+    record = saved(before)  # what a checkpoint written here keeps
     hybrid = switch_layout(hybrid, ParallelLayout(2, 1))
     after = hybrid.full_state_dict()
     losses += [_step(hybrid, *batch) for batch in data[2:]]
@@ -163,13 +163,13 @@ def _switch_four_ranks(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
     data = batches([16, 16, 16])
     hybrid = _hybrid(mlp_batchnorm(), ParallelLayout(2, 2))
     _step(hybrid, *data[0])
-    hybrid_state = _saved(hybrid.full_state_dict())
+    hybrid_state = saved(hybrid.full_state_dict())
     dp_mesh = build_mesh(ParallelLayout(4, 1))
     hybrid = switch_layout(hybrid, dp_mesh)
     dp_state = hybrid.full_state_dict()
     momenta = [m.momentum for m in hybrid.model.modules() if isinstance(m, nn.BatchNorm1d)]
     _step(hybrid, *data[1])
-    dp_trained = _saved(hybrid.full_state_dict())
+    dp_trained = saved(hybrid.full_state_dict())
     hybrid = switch_layout(hybrid, ParallelLayout(2, 2))
     back_state = hybrid.full_state_dict()
     _step(hybrid, *data[2])

@@ -15,12 +15,12 @@ from kaisoku.distributed.env import World
 from kaisoku.distributed.layout import ParallelLayout
 from kaisoku.distributed.mesh import build_mesh
 from kaisoku.distributed.pipeline import HybridOptions, HybridParallel
-from kaisoku.distributed.switch import load_full_state, save_full_state, switch_layout
+from kaisoku.distributed.switch import switch_layout
 from kaisoku.engine.build import build_trainer
 from kaisoku.models.vit import build_vit
 from tests.dist_harness import run_ranks
 from tests.distributed.test_pipeline import batches, reference_training, sgd, slice_replica
-from tests.distributed.test_switch import assert_full_states_equal
+from tests.distributed.test_switch import assert_full_states_equal, saved
 from tests.train_harness import tiny_config
 
 STEPS_PER_EPOCH = 5  # 80 samples / global batch 16
@@ -55,17 +55,15 @@ def _split_and_switch(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
     step = lambda h, x, y: h.train_step(*slice_replica(x, y, h.dp_index, h.dp_size))  # noqa: E731
     losses = [step(hybrid, *batch) for batch in data[:2]]
     before = hybrid.full_state_dict()
-    if rank == 0:
-        save_full_state(tmp / "pp2.pt", before)
+    record = saved(before)  # what a checkpoint written here keeps
     hybrid = switch_layout(hybrid, ParallelLayout(2, 1))
     after = hybrid.full_state_dict()
     losses += [step(hybrid, *batch) for batch in data[2:]]
-    torch.distributed.barrier()
-    # A fresh dp=2 run with other weights loads the checkpoint written under pp=2.
+    # A fresh dp=2 run with other weights loads the checkpoint taken under pp=2.
     resumed = _hybrid(ParallelLayout(2, 1))
     for p in resumed.model.parameters():
         nn.init.normal_(p)
-    resumed.load_full_state_dict(load_full_state(tmp / "pp2.pt"))
+    resumed.load_full_state_dict(record)
     loaded = resumed.full_state_dict()
     return {
         "stage_params": stage_params,
