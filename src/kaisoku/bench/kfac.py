@@ -8,7 +8,7 @@ engine ``kaisoku train`` runs: its DDP, data order, optimizer, warmup-then-cosin
   (:data:`FULL_PLAN`).
 - ``resnet10-shapes``: the zoo's resnet10 with the compact stem on 16 px RGB images drawn by the shapes
   generator (16,384 training, 2,048 validation and 2,048 test images; raw pixels, no JPEG round trip) at
-  batch 1,024 on one GPU (DDP over NCCL at world size 1). K-FAC runs with its measured-cost intervals
+  batch 1,024 on one GPU (one rank: the engine wraps no DDP). K-FAC runs with its measured-cost intervals
   (``overhead_target`` 0.25). On a machine without a GPU the case is not run: one resnet10 step at batch
   1,024 takes seconds on 2 CPU cores and the grids need thousands of steps; its goal is then recorded
   unmeasured, with that reason.
@@ -635,7 +635,7 @@ def _notes(case: str, plan: Plan, record: dict[str, Any], second_note: str, quic
     where = (
         f"{plan.world_size} gloo CPU ranks (1 thread each, DDP)"
         if plan.device == "cpu"
-        else f"{plan.world_size} GPU (DDP over NCCL)"
+        else f"{plan.world_size} GPU (one rank: no DDP)"
     )
     text = (
         f"{case}: every run is build_trainer's engine (kaisoku train's) on the in-memory splits as the user's "
