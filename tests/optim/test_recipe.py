@@ -175,5 +175,6 @@ def test_presets_apply_the_recipe() -> None:
     )
     assert imagenet.optim.lr == IMAGENET_RECIPE.lr(32768)
     cpu = get_preset("cpu-large-batch")
-    assert cpu.optim.lr == pytest.approx(CPU_RECIPE.lr(2048))
-    assert cpu.sched.warmup_epochs == pytest.approx(CPU_RECIPE.warmup(2048, 12))
+    assert cpu.optim.lr == pytest.approx(CPU_RECIPE.lr(2048)) and cpu.sched.name == CPU_RECIPE.schedule
+    assert (cpu.optim.weight_decay, cpu.train.label_smoothing) == (CPU_RECIPE.weight_decay, 0.1)
+    assert (cpu.optim.eta, cpu.sched.warmup_epochs) == (0.08, 0.5)  # the preset's own two settings
