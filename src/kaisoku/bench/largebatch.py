@@ -4,7 +4,7 @@ The zoo's ``small-cnn`` is trained by the engine ``kaisoku train`` builds (:mod:
 for the same number of epochs at batch B0 and at 16x and 64x B0 with three methods, each a
 :class:`~kaisoku.optim.recipe.Recipe` written into the run's config: (i) momentum SGD with the linear
 learning-rate scaling rule, warmup then cosine decay, (ii) the same with Nesterov momentum, (iii) kaisoku's
-large-batch recipe (:data:`~kaisoku.optim.recipe.CPU_RECIPE`, the ``cpu-large-batch`` preset's): LARS
+large-batch recipe (:data:`~kaisoku.optim.recipe.CPU_RECIPE`, the base of the ``cpu-large-batch`` preset): LARS
 (trust coefficient by the model size rule), warmup then arc-cotangent decay. The parts that are not the
 optimizer are the same for every method: no weight decay on BatchNorm and biases, label smoothing 0.1,
 warmup that grows with the batch (:func:`kaisoku.optim.recipe.default_warmup_epochs`). Each method's
@@ -54,7 +54,7 @@ class Method:
     notes: str = ""
 
 
-#: kaisoku's recipe as the benchmark runs it: the ``cpu-large-batch`` preset's, lr grid around its 0.2.
+#: kaisoku's recipe as the benchmark runs it: the base of the ``cpu-large-batch`` preset, lr grid around its 0.2.
 RECIPE = Method(
     "kaisoku-recipe",
     CPU_RECIPE,
