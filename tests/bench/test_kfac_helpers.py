@@ -1,12 +1,29 @@
-"""The K-FAC benchmark's fairness helpers: grid extension, interpolated time to target, the schedule."""
+"""The accuracy benchmarks' shared parts: grid extension, interpolated time to target, the configs each
+method trains with, and a run through the engine ``kaisoku train`` builds."""
 
 from __future__ import annotations
 
-import math
+from pathlib import Path
 
 import pytest
+import torch
 
-from kaisoku.bench.kfac import crossing, first_crossing, lr_factor, tune
+from kaisoku.bench.kfac import FULL_PLAN, method_config
+from kaisoku.bench.largebatch import RECIPE, ablations, methods
+from kaisoku.bench.training import (
+    EngineRun,
+    bench_config,
+    crossing,
+    first_crossing,
+    npz_splits,
+    small_cnn,
+    tune,
+)
+from kaisoku.distributed.env import World
+from kaisoku.models.zoo import SmallCNN
+from kaisoku.optim.recipe import CPU_RECIPE
+from kaisoku.parts import UserParts
+from kaisoku.presets import get_preset
 
 
 def test_tune_extends_the_grid_until_the_best_is_inside() -> None:
@@ -39,8 +56,54 @@ def test_crossing_is_interpolated_between_evaluations() -> None:
     assert first_crossing(curve, 0.99) is None
 
 
-def test_every_method_gets_warmup_then_decay() -> None:
-    assert lr_factor(0, 4, 100) == pytest.approx(0.25)
-    assert lr_factor(3, 4, 100) == pytest.approx(0.5 * (1 + math.cos(0.03 * math.pi)))
-    assert lr_factor(50, 4, 100) == pytest.approx(0.5)
-    assert lr_factor(100, 4, 100) == pytest.approx(0.0)
+def test_kfac_methods_are_engine_configs(tmp_path: Path) -> None:
+    common = {"seed": 1, "train_samples": 50000, "run_dir": tmp_path}
+    kfac = method_config("kfac", 3e-3, FULL_PLAN, **common)
+    assert kfac.optim.kfac.enabled and kfac.optim.name == "sgd" and kfac.optim.lr == FULL_PLAN.kfac_lr
+    assert kfac.optim.kfac.kl_clip == 3e-3 and kfac.optim.kfac.stat_fraction == 0.25
+    lars = method_config("lars", 0.4, FULL_PLAN, **common)
+    assert (lars.optim.name, lars.optim.lr, lars.optim.eta, lars.optim.trust_clip) == (
+        "lars",
+        0.4,
+        0.02,
+        True,
+    )
+    assert not lars.optim.kfac.enabled
+    # Every method: 4 warmup steps (of 24 a 2,048-sample epoch has) then cosine over the 4-epoch cap.
+    for cfg in (kfac, lars):
+        assert cfg.sched.name == "cosine" and cfg.sched.warmup_epochs * 24 == pytest.approx(4)
+        assert cfg.train.epochs == 4 and cfg.train.seed == 1
+
+
+def test_largebatch_compares_the_preset_recipe_with_one_change_per_ablation() -> None:
+    assert RECIPE.recipe is CPU_RECIPE
+    preset = get_preset("cpu-large-batch")
+    assert preset.optim.lr == pytest.approx(CPU_RECIPE.lr(2048)) and preset.sched.name == CPU_RECIPE.schedule
+    sgd = methods()[0].recipe
+    assert (sgd.optimizer, sgd.lr_scaling, sgd.lr(128 * 64)) == ("sgd", "linear", pytest.approx(0.2 * 64))
+    for variant in ablations():
+        changed = {k for k, v in vars(variant.recipe).items() if vars(CPU_RECIPE)[k] != v}
+        assert len(changed) == 1, (variant.name, changed)
+
+
+def test_engine_run_trains_validates_and_splits_its_time(tmp_path: Path, mnist_path: Path) -> None:
+    torch.set_num_threads(1)
+    data = npz_splits(mnist_path, {"train": 512, "val": 256, "test": 256})
+    assert data["train"].tensors[0].shape == (512, 1, 28, 28)
+    assert abs(float(data["train"].tensors[0].mean())) < 0.2  # normalised
+    cfg = bench_config(tmp_path / "run", seed=0)
+    cfg.data.global_batch, cfg.train.epochs, cfg.optim.lr = 64, 2, 0.05
+    run = EngineRun(
+        cfg, World(), UserParts(model=small_cnn(4), train_data=data["train"], val_data=data["val"])
+    )
+    assert run.steps_per_epoch == 8 and run.total_steps == 16
+    assert run.train(5) and run.step == 5
+    assert run.train(100) and run.step == 16  # never past the run's end
+    val, test = run.accuracy(), run.accuracy(data["test"])
+    assert 0.0 <= val <= 1.0 and 0.0 <= test <= 1.0
+    split = run.phase_ms_per_step()
+    assert set(split) == {"forward_backward", "optimizer"}
+    assert sum(split.values()) == pytest.approx(1000 * run.seconds / 16, rel=1e-6)
+    model = run.trainer.engine.model
+    assert isinstance(model, SmallCNN) and model.features[0][0].out_channels == 4  # the zoo's, at width 4
+    run.close()

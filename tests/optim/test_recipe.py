@@ -134,3 +134,47 @@ def test_kfac_recipe_trains_a_few_steps(factor_dtype: str) -> None:
         scheduler.step()
         losses.append(float(loss.detach()))
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+
+
+def test_recipe_config_values_are_what_the_python_call_uses() -> None:
+    from kaisoku.config import Config
+    from kaisoku.optim.recipe import CPU_RECIPE
+
+    cfg = CPU_RECIPE.apply(Config(), batch=2048, epochs=12)
+    # sqrt scaling from 0.2 at batch 128; warmup 0.5 * log2(16) epochs; the recipe's decay and smoothing.
+    assert cfg.optim.lr == pytest.approx(0.2 * 4) and cfg.data.global_batch == 2048
+    assert (
+        cfg.sched.warmup_epochs == pytest.approx(default_warmup_epochs(2048, 128, 12)) == pytest.approx(2.0)
+    )
+    assert (cfg.optim.name, cfg.optim.eta, cfg.optim.weight_decay) == ("lars", 0.0, 5e-4)
+    assert (cfg.sched.name, cfg.sched.arccot_slope, cfg.train.label_smoothing) == ("arccot", 5.0, 0.1)
+    # The Python call takes the same peak and warmup from the same numbers.
+    model = resnet()
+    optimizer, scheduler, loss_fn = large_batch(
+        model, base_lr=0.2, base_batch=128, batch=2048, epochs=12, steps_per_epoch=10, schedule="arccot"
+    )
+    assert optimizer.param_groups[0]["initial_lr"] == pytest.approx(cfg.optim.lr)
+    assert loss_fn.label_smoothing == cfg.train.label_smoothing
+
+
+def test_presets_apply_the_recipe() -> None:
+    from kaisoku.optim.recipe import CPU_RECIPE, IMAGENET_RECIPE
+    from kaisoku.presets import get_preset
+
+    imagenet = get_preset("resnet50-imagenet-lars")
+    assert (imagenet.optim.name, imagenet.optim.lr, imagenet.optim.eta) == ("lars", 29.0, 0.001)
+    assert (imagenet.sched.name, imagenet.sched.warmup_epochs, imagenet.sched.poly_power) == (
+        "poly",
+        5.0,
+        2.0,
+    )
+    assert (imagenet.data.global_batch, imagenet.train.epochs, imagenet.train.label_smoothing) == (
+        32768,
+        40,
+        0.1,
+    )
+    assert imagenet.optim.lr == IMAGENET_RECIPE.lr(32768)
+    cpu = get_preset("cpu-large-batch")
+    assert cpu.optim.lr == pytest.approx(CPU_RECIPE.lr(2048)) and cpu.sched.name == CPU_RECIPE.schedule
+    assert (cpu.optim.weight_decay, cpu.train.label_smoothing) == (CPU_RECIPE.weight_decay, 0.1)
+    assert (cpu.optim.eta, cpu.sched.warmup_epochs) == (0.08, 0.5)  # the preset's own two settings

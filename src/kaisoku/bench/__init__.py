@@ -28,7 +28,7 @@ BENCHMARKS: dict[str, str] = {
     "optim": "kaisoku.bench.optim",
     "largebatch": "kaisoku.bench.largebatch",
     "parallel": "kaisoku.bench.parallel",
-    "kfac": "kaisoku.bench.kfac_cases",
+    "kfac": "kaisoku.bench.kfac",
     "compile": "kaisoku.bench.compile",
     "memory": "kaisoku.bench.memory",
     "precision": "kaisoku.bench.precision",

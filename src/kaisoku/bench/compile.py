@@ -1,17 +1,10 @@
 """``kaisoku bench compile``: training-step time with ``train.compile`` against eager, and compile time.
 
-Each case builds its model and optimizer with the builders ``kaisoku train`` uses (``build_model``,
-``build_optimizer``; SGD momentum 0.9 as in the default config) and a fixed synthetic batch of the case's
-shape. For every way (off, model, optimizer, all) :func:`kaisoku.engine.compile.prepare_way` compiles
-copies and warms them up (3 steps); the rows then run one training step each (forward, backward,
-optimizer step), interleaved round by round, and report the median. Compile time is the warm-up of a
-way minus the eager warm-up.
-
-``auto`` is judged as a user meets it: :func:`~kaisoku.engine.compile.compile_for_training` makes its
-choice from its own 20-step trial, then the chosen way's step time (from the interleaved rows, measured
-independently of the trial) is compared with eager's. Goal: auto is never more than 3% slower than eager
-in any case. CPU figures: 1 torch thread, as in a shared machine's share. On a machine with a GPU the
-cases run there (float32, the record's ``gpu`` names it), each step timed to the device's completion.
+Each case builds its model and optimizer with ``kaisoku train``'s builders; every way (off, model,
+optimizer, all) is compiled and warmed up by :func:`kaisoku.engine.compile.prepare_way`, then timed one step
+per round, interleaved. ``auto`` is judged as a user meets it: the way
+:func:`~kaisoku.engine.compile.compile_for_training` picks from its own trial, against eager. Setup and
+goal: ``benchmarks/README.md``, section compile.
 """
 
 from __future__ import annotations

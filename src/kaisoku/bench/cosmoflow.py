@@ -1,20 +1,10 @@
 """``kaisoku bench cosmoflow``: CosmoFlow on generated universes, the codecs' ratios and loader rates.
 
-1. Generates the universe set (:mod:`kaisoku.data.cosmo`): 1,024 training and 128 validation volumes of
-   32³ (``--quick``: 64 and 16 of 16³), int16 ``[4, D, D, D]``.
-2. Packs it with ``kaisoku pack``'s engine: raw, zstd, lossless ``delta`` and a ladder of error-bounded
-   ``delta@log1p:E`` packs (every value within ``E`` of the original in the ``log1p`` domain the model
-   sees, ``E`` in :data:`LOSSY_BOUNDS`); ratios are byte counts of the packed sets.
-3. Loader rate per codec: the training loader ``kaisoku train`` builds
-   (:func:`kaisoku.engine.data_build.build_data`: shuffle, decode in the preset's worker threads, log1p into
-   reused float buffers) iterated for a whole epoch, codecs interleaved round by round, median of 3;
-   compared with the raw (uncompressed) pack.
-4. Trains the ``cosmoflow-cpu`` preset on the zstd pack with ``kaisoku train``'s launcher on 2 ranks
-   (``--quick``: 1 rank, a few steps) and reads the final validation MAE from its ``metrics.jsonl``.
-5. The lossy gap, per bound of the ladder: the trained model's validation MAE on the ``delta@log1p:E``
-   pack minus that on the lossless pack (the same samples; the bound's effect on what the model sees,
-   without further training runs). Reported: the largest bound whose gap stays within the goal, with its
-   ratios to zstd and raw; if none does, the goal is unmet and every bound's figures are listed.
+The generated universe set (:mod:`kaisoku.data.cosmo`) packed raw, zstd, ``delta`` and a ladder of
+error-bounded ``delta@log1p:E`` packs (``E`` in :data:`LOSSY_BOUNDS`); the training loader ``kaisoku train``
+builds iterated per codec; the ``cosmoflow-cpu`` preset trained on the zstd pack through ``kaisoku train``'s
+launcher; the lossy gap is the trained model's validation MAE on each lossy pack minus that on the lossless
+one. Setup and goals: ``benchmarks/README.md``, section cosmoflow.
 """
 
 from __future__ import annotations

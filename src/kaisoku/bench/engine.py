@@ -1,22 +1,10 @@
 """``kaisoku bench engine``: step time of kaisoku's trainer against a minimal DDP loop on the same data path.
 
-Two gloo ranks (one thread each) train resnet10 at 32 px on the generated shapes set. kaisoku is the
-trainer :func:`~kaisoku.engine.build.build_trainer` builds (``kaisoku train``'s builder), with its progress
-bar and JSONL logging on. The baseline is a minimal loop: its own loader and sampler from a second
-:func:`~kaisoku.engine.data_build.build_data` call on the same config (nothing shared with the trainer),
-the same model from :func:`~kaisoku.models.zoo.build_model`, DDP with PyTorch's default uniform 25 MiB
-buckets (:func:`~kaisoku.distributed.data_parallel.wrap_ddp`), the optimizer from
-:func:`~kaisoku.optim.factory.build_optimizer`, cross-entropy, and nothing else.
-
-Two rows: the packed set read by :class:`~kaisoku.data.loading.loader.ShardLoader` (the set is packed with
-:func:`kaisoku.data.shards.writer.pack` into the run's temporary folder; the figure the goal judges) and the
-image-folder path. The sides alternate in chunks of one log interval (5 steps: each kaisoku chunk
-writes its one metrics line, as in training), the order flipping every pair, so that both sides see the
-same machine load at a time scale of about a second; epoch starts fall inside the chunks for both sides
-alike. A round is ``chunks_per_round`` pairs, and its ratio is kaisoku's summed time over the minimal
-loop's. Rounds repeat until the inter-quartile range of the per-round ratio falls below a third of the
-goal's margin or the round cap is hit; the figure is the median ratio. A row that hits the cap is
-recorded unmet, with the reason.
+kaisoku is the trainer :func:`~kaisoku.engine.build.build_trainer` builds; the baseline (:class:`MinimalLoop`)
+its own loader from a second ``build_data`` call, the same model, DDP with PyTorch's default buckets, the
+same optimizer and nothing else. The sides alternate in chunks of one log interval until the per-round
+ratio's IQR is below a third of the goal's margin. Rows, repeats and limits: ``benchmarks/README.md``,
+section engine.
 """
 
 from __future__ import annotations

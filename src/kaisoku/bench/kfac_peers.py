@@ -1,4 +1,8 @@
-"""The K-FAC benchmark's peer and picture: ASDL's K-FAC (single process, where installed) and the curves."""
+"""The K-FAC benchmark's peer and picture: ASDL's K-FAC (single process, where installed) and the curves.
+
+ASDL drives its own forward and backward (``KfacGradientMaker``), so its row trains in a loop of its own, on
+the same tensors, model and sample order keyed by (seed, epoch) as kaisoku's rows.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kaisoku.bench.kfac import GLOBAL_BATCH, Plan, _load, build_model, epoch_order
+from kaisoku.bench.training import npz_splits
+from kaisoku.models.zoo import SmallCNN
 
 # ---------------------------------------------------------------------------------------------------------
 # ASDL peer (single process), where installed.
@@ -24,8 +29,13 @@ ASDL_DAMPING = 0.3
 ASDL_TIME_LIMIT_S = 240.0
 
 
-def asdl_row(plan: Plan, data_path: Path, best_lr: float, quick: bool, target: float) -> dict[str, Any]:
-    """ASDL's K-FAC in front of momentum SGD, single process, until ``target`` test accuracy; or why not."""
+def asdl_row(
+    plan: dict[str, Any], data_path: Path, best_lr: float, quick: bool, target: float
+) -> dict[str, Any]:
+    """ASDL's K-FAC in front of momentum SGD, single process, until ``target`` test accuracy; or why not.
+
+    ``plan``: the benchmark's plan as a dict (its batch, cap, evaluation interval and K-FAC intervals).
+    """
     if importlib.util.find_spec("asdl") is None:
         return {"method": "asdl-kfac (1 process)", "status": "skipped: asdl (asdfghjkl) not installed"}
     if quick:
@@ -40,35 +50,38 @@ def asdl_row(plan: Plan, data_path: Path, best_lr: float, quick: bool, target: f
 
 
 def _asdl_run(
-    plan: Plan, data_path: Path, lr: float, target: float
+    plan: dict[str, Any], data_path: Path, lr: float, target: float
 ) -> dict[str, Any]:  # pragma: no cover - optional peer
     import asdl
 
-    torch.manual_seed(plan.seed)
-    data = _load(data_path, plan)
-    model = build_model()
+    torch.manual_seed(plan["seed"])
+    limits = {"train": plan["train_limit"], "test": plan["eval_limit"]}
+    data = {split: dataset.tensors for split, dataset in npz_splits(data_path, limits).items()}
+    model = SmallCNN(width=16)
+    kfac = plan["kfac_options"]
+    batch = plan["global_batch"]
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     config = asdl.PreconditioningConfig(
-        data_size=plan.global_batch,
+        data_size=batch,
         damping=ASDL_DAMPING,
-        curvature_upd_interval=plan.kfac_options.get("factor_update_steps", 1),
-        preconditioner_upd_interval=plan.kfac_options.get("inv_update_steps", 10),
-        ema_decay=1.0 - plan.kfac_options.get("factor_decay", 0.95),
+        curvature_upd_interval=kfac.get("factor_update_steps", 1),
+        preconditioner_upd_interval=kfac.get("inv_update_steps", 10),
+        ema_decay=1.0 - kfac.get("factor_decay", 0.95),
     )
     gradmaker = asdl.KfacGradientMaker(model, config)
     x_train, y_train = data["train"]
-    steps_per_epoch = len(x_train) // plan.global_batch
+    steps_per_epoch = len(x_train) // batch
     wall, reached, acc = 0.0, None, float("nan")
     order = np.empty(0, dtype=np.int64)
     deadline = time.monotonic() + ASDL_TIME_LIMIT_S
-    for step in range(int(plan.max_epochs * steps_per_epoch)):
+    for step in range(int(plan["max_epochs"] * steps_per_epoch)):
         if time.monotonic() > deadline:
             break
         epoch, index = divmod(step, steps_per_epoch)
         if index == 0:
-            order = epoch_order(plan.seed, epoch, len(x_train))
-        batch = torch.from_numpy(order[index * plan.global_batch : (index + 1) * plan.global_batch])
-        x, y = x_train[batch], y_train[batch]
+            order = np.random.default_rng([plan["seed"], epoch]).permutation(len(x_train))
+        chosen = torch.from_numpy(order[index * batch : (index + 1) * batch])
+        x, y = x_train[chosen], y_train[chosen]
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         dummy_y = gradmaker.setup_model_call(model, x)
@@ -76,7 +89,7 @@ def _asdl_run(
         gradmaker.forward_and_backward()
         optimizer.step()
         wall += time.perf_counter() - start
-        if (step + 1) % plan.eval_every == 0:
+        if (step + 1) % plan["eval_every"] == 0:
             with torch.no_grad():
                 model.eval()
                 x_test, y_test = data["test"]
@@ -129,8 +142,8 @@ def plot_curves(runs: list[dict[str, Any]], path: Path) -> None:
         ax.set_ylim(bottom, 1.0)
         ax.grid(alpha=0.3)
     axes[0].legend(loc="lower right")
-    batch = runs[0]["batch"] if runs else GLOBAL_BATCH
-    fig.suptitle(f"MNIST, SmallCNN (width 16), global batch {batch}")
+    batch = runs[0]["batch"] if runs else "?"
+    fig.suptitle(f"MNIST, small-cnn (width 16), global batch {batch}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,18 +1,9 @@
 """``kaisoku bench loader``: warm local data against peer loaders and the decode limit; the index's scale.
 
-Generated JPEG class folders (:mod:`kaisoku.bench.imagesets`) at 64x64 and 160x160 (decode + flip), and an
-ImageNet-like set of ~400 x 350 photos at quality 90 (random-resized-crop to 160 + flip), read warm (page
-cache), shuffled, 2 workers, batch 256. Every row yields uint8 NCHW batches with int64 labels and names its
-decoder: kaisoku (the :class:`~kaisoku.data.loading.loader.ShardLoader` ``kaisoku train`` builds, through the
-training builder; on the ImageNet-like set also with crop-aware DCT-scaled decoding as its own row),
-torchvision ImageFolder (PIL, and simplejpeg), WebDataset, MosaicML Streaming (MDS), LitData
-(:mod:`kaisoku.bench.loader_peers`), and the limit: single-thread in-process decode + augment times the
-cores. Rows are interleaved, each repeat a new epoch; the first epoch is reported apart, the figure is the
-median of the rest. A peer that is not installed is a skipped row; a goal it leaves unmeasured says so in
-its ``reason``. The index part (:mod:`kaisoku.bench.loader_index`) opens a synthetic 10M-record index.
-
-The slow-shared-file-system part that used to live here is ``kaisoku bench slowfs``
-(:mod:`kaisoku.bench.slowfs`).
+Rows: the ``ShardLoader`` ``kaisoku train`` builds (and its crop-aware decoding on the ImageNet-like set),
+the peers of :mod:`kaisoku.bench.loader_peers`, and the single-thread decode limit times the cores, over the
+sets of :mod:`kaisoku.bench.imagesets`, interleaved, the first epoch reported apart. The index part is
+:mod:`kaisoku.bench.loader_index`. Setup, goals and limits: ``benchmarks/README.md``, section loader.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """``kaisoku bench memory``: peak memory, step time and exactness of each memory technique against plain.
 
-Every row is one (model, technique) built with the objects ``kaisoku train`` builds: ``build_model``
-(resnet18, vit-tiny), :func:`~kaisoku.memory.profile.setup_memory` (recompute, compress, offload, the
-budget planner, from a :class:`~kaisoku.config_sections.MemoryConfig`), ``build_optimizer`` (SGD, momentum
-0.9), ``build_scheduler``, :func:`~kaisoku.memory.in_backward.attach_update_in_backward` and the
-:class:`~kaisoku.engine.step.DataParallelStep` engine, trained on synthetic batches keyed by step index.
-
-- Peak memory: :func:`kaisoku.memory.measure.measure_in_subprocess` (own subprocess, one warm-up step,
-  peak reset, one step; VmHWM on the CPU, ``max_memory_allocated`` on CUDA). ``rise`` is the peak above
-  the memory held when the step began: what ``memory.budget`` bounds.
-- Step time: one training step per call, the techniques of a model interleaved round by round; median.
-- Exactness: the timed steps (a warm-up and one per round) start from the same initial weights and run
-  the same batches; the losses and final weights are compared with plain's bit for bit.
-- Planner rows: ``memory.budget`` at 60% and 40% of plain's rise, with ``memory.update_in_backward``;
-  measured rise <= budget, slowdown; a budget the planner refuses is a row with its one line.
-- Compression accuracy: a short ``kaisoku train`` run (``build_trainer``) on the generated shapes set,
-  plain vs bf16 vs int8 saved activations; validation accuracy.
-- Largest batch: binary search (multiples of a unit) for the biggest resnet18 batch whose planner
-  (``memory.budget`` = plain's rise at the reference batch, with update in backward) fits and measures
-  within that budget.
+Every row is one (model, technique) built with the objects ``kaisoku train`` builds (``build_model``,
+:func:`~kaisoku.memory.profile.setup_memory`, ``build_optimizer``, ``build_scheduler``,
+:func:`~kaisoku.memory.in_backward.attach_update_in_backward`, :class:`~kaisoku.engine.step.DataParallelStep`)
+on synthetic batches keyed by step index; peaks in their own subprocess
+(:func:`kaisoku.memory.measure.measure_in_subprocess`), step times interleaved, exactness bit for bit against
+plain. Planner, compression and largest-batch rows: ``benchmarks/README.md``, section memory.
 """
 
 from __future__ import annotations

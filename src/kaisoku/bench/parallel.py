@@ -1,24 +1,14 @@
 """``kaisoku bench parallel``: pipeline bubble, hybrid layouts on 4 ranks, and switch-parallel on MNIST.
 
-(a) Bubble: pp=2 on 2 ranks (one thread each), m in {2, 4, 8} micro-batches, GPipe and 1F1B. The bubble
-    of a rank is the time it spends blocked in the schedule's point-to-point waits (plus, for the rank
-    that finishes first, the wait for the pipeline to drain) divided by the step time, averaged over the
-    two ranks, beside the theory (p - 1) / (m + p - 1). Goal: 1F1B within 25% of the theory at every m.
-(b) 4 ranks, functional rows: samples/s and per-rank peak memory (ru_maxrss) for dp4 (DDP with kaisoku's
-    bucket plan), dp2xpp2 and pp4 (pipeline engine) training a small ResNet; no goal (4 ranks share 2 cores).
-(c) MNIST through ``kaisoku train``'s own builder (:func:`~kaisoku.engine.build.build_trainer` and
-    ``Trainer.fit``) on the packed archive, for dp only (``parallel.pp 1``: DDP with kaisoku's bucket plan),
-    hybrid only (dp2xpp2) and switch (dp2xpp2 for the first epoch, then dp4), 3 seeds, the configurations'
-    order rotating per seed. Speed figures are paired per-seed ratios (samples/s over dp-only's of the same
-    seed), median and range. Goals: switch's mean test accuracy within one std (over seeds) of dp-only's,
-    and switch faster than dp-only (median ratio > 1) wherever hybrid is; where hybrid is not faster, or
-    MNIST is missing, the goal is recorded unmet with the reason.
-
-Each part runs on its own group of gloo ranks (:func:`~kaisoku.distributed.spawn.run_ranks`).
+(a) the measured 1F1B and GPipe bubble at pp=2 against (p - 1) / (m + p - 1); (b) samples/s and peak
+memory of dp4, dp2xpp2 and pp4 (no goal); (c) dp only, hybrid only and switch on MNIST through
+``build_trainer`` (:mod:`kaisoku.bench.parallel_mnist`). Each part runs on its own group of gloo ranks
+(:func:`~kaisoku.distributed.spawn.run_ranks`). Setup and goals: ``benchmarks/README.md``, section parallel.
 """
 
 from __future__ import annotations
 
+import functools
 import resource
 import statistics
 import tempfile
@@ -33,10 +23,12 @@ from torch import nn
 
 from kaisoku.bench.common import goal, locate_mnist, print_table, write_result
 from kaisoku.bench.parallel_mnist import bench_mnist, mnist_goals
+from kaisoku.config import OptimConfig
 from kaisoku.distributed.data_parallel import BucketPlan, wrap_ddp
 from kaisoku.distributed.mesh import ParallelLayout, ParallelMesh, build_mesh
 from kaisoku.distributed.pipeline import HybridOptions, HybridParallel, replica_batch_slice
 from kaisoku.distributed.spawn import run_ranks
+from kaisoku.optim.factory import build_optimizer_from_named
 
 NAME = "parallel"
 
@@ -51,15 +43,12 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-class _SGDFactory:
-    """A picklable optimizer factory: SGD with momentum 0.9."""
-
-    def __init__(self, lr: float) -> None:
-        self.lr = lr
-
-    def __call__(self, named: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
-        """Build the optimizer over ``named`` parameters."""
-        return torch.optim.SGD([p for _, p in named], lr=self.lr, momentum=0.9)
+def _sgd_factory(lr: float) -> Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]:
+    """The library's optimizer factory of a pipeline stage (picklable): SGD, momentum 0.9, no weight decay."""
+    return functools.partial(
+        build_optimizer_from_named,
+        cfg=OptimConfig(name="sgd", lr=lr, weight_decay=0.0, no_decay_bn_bias=False),
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -149,7 +138,7 @@ def _bubble_step(
         make_model(),
         mesh,
         loss_fn=nn.functional.cross_entropy,
-        optimizer_factory=_SGDFactory(0.01),
+        optimizer_factory=_sgd_factory(0.01),
         options=HybridOptions(microbatches=m, schedule=schedule),
     )
     generator = torch.Generator().manual_seed(m)
@@ -237,7 +226,7 @@ def _layout_rank(
     step: Callable[[torch.Tensor, torch.Tensor], Any]
     if layout.pp == 1:  # plain data parallelism: what kaisoku train builds (DDP, kaisoku's bucket plan)
         model = wrap_ddp(_small_resnet(), torch.device("cpu"), plan=BucketPlan())
-        optimizer = _SGDFactory(0.01)(list(model.named_parameters()))
+        optimizer = _sgd_factory(0.01)(list(model.named_parameters()))
         part = replica_batch_slice(batch, rank, world_size)
         parameters = sum(p.numel() for p in model.parameters())
 
@@ -251,7 +240,7 @@ def _layout_rank(
             _small_resnet(),
             build_mesh(layout),
             loss_fn=nn.functional.cross_entropy,
-            optimizer_factory=_SGDFactory(0.01),
+            optimizer_factory=_sgd_factory(0.01),
             options=HybridOptions(microbatches=microbatches, schedule="1f1b"),
         )
         part = replica_batch_slice(batch, hybrid.dp_index, hybrid.dp_size)

@@ -1,31 +1,12 @@
 """``kaisoku bench plan``: the I/O model of ``kaisoku plan`` against measured epochs, plus projections.
 
-Validation. The slow shared file system of ``kaisoku bench slowfs`` (:class:`kaisoku.bench.netfs.SlowMount`:
-sshfs from another network namespace over a rate-capped veth with a delay proxy) serves a generated JPEG set
-and its kaisoku pack. Per link setting: ``kaisoku probe`` (:func:`kaisoku.plan.probe.probe`) measures the
-mount; the loader's own rate from RAM is measured once per node count on an unthrottled copy (the "nodes"
-are processes sharing this machine's cores, so it falls with the node count); the model then predicts
-every strategy. Measured: 1, 2 and 4 "nodes" (gloo ranks, each with its own node cache folders, all reading
-the same mount at once), per strategy, two epochs with the page cache dropped before each:
-
-* per-file: each node reads its share of the files in a keyed random order with 8 threads;
-* staged-global, staged-block, partial-Q0.25, local-only: each node runs the data path ``kaisoku train``
-  builds for packed data with its default ``data.loader threads`` (:func:`_train_node`: the
-  :class:`~kaisoku.data.loading.loader.ShardLoader` of :func:`kaisoku.engine.data_build.shard_loader`, built from a
-  config: its node cache staging shards into a local folder and /dev/shm, the sample exchange, 2 decoding
-  threads).
-
-An epoch's time is the slowest node's, from a barrier after the page cache is dropped to its last batch:
-the first epoch includes building the node cache and all staging; process start-up and imports (the
-ranks are started before, once per cell) are outside both the measurement and the model. No DataLoader
-worker process is started: a worker started from a rank boots a fresh interpreter (the ranks are
-forkserver children), 6-15 s of imports that ``kaisoku train``'s default thread path does not pay. Goals (first epoch, where the shared file system decides): median
-absolute error of predicted vs measured <= 15%, worst cell <= 30%; in every (setup, nodes) group the
-strategy ``kaisoku plan`` recommends (AU target 0.9 over the two epochs; with no compute that is the
-fastest predicted run) measures within 10% of the fastest measured strategy at least as random.
-
-Projections: the example clusters of ``examples/clusters/`` (ImageNet-1k on an ABCI-class cluster at
-2,048 GPUs; CosmoFlow on a Fugaku-class system at 512 and 8,192 nodes): model output only, labelled so.
+Per link setting of the slow mount (:class:`kaisoku.bench.netfs.SlowMount`), ``kaisoku probe`` measures the
+mount and the model predicts every strategy; each (strategy, nodes) cell is then measured on gloo ranks
+(per-file reads, or the ``ShardLoader`` ``kaisoku train`` builds, :func:`_train_node`), two epochs from a
+dropped page cache, an epoch's time being the slowest node's. No DataLoader worker process is started: a
+worker started from a rank boots a fresh interpreter (the ranks are forkserver children), 6-15 s of imports
+that ``kaisoku train``'s default thread path does not pay. Projections of ``examples/clusters/`` are model
+output only. Setup and goals: ``benchmarks/README.md``, section plan.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """``kaisoku bench precision``: test accuracy of each ``precision.mode`` against fp32, and its step-time cost.
 
-Two tasks, each trained by ``kaisoku train``'s builder (:func:`~kaisoku.engine.build.build_trainer`, then
-``Trainer.fit``) for the same steps from the same seeds in every mode: MNIST with ``small-cnn`` (SGD) and
-the generated shapes set with ``resnet10`` (compact stem, 12 px, AdamW; see :func:`plan`). Modes: fp32,
-int8-stats, int16-stats, fp8-stats and ``int8-fixed`` (int8-stats with ``precision.exponent fixed``: every
-tensor's exponent 0, no statistics: the control), plus bf16 autocast where the device has fast bf16
-(CUDA, or a CPU with AVX512-BF16/AMX); on other CPUs bf16 autocast runs resnet10 30-40 times slower than
-fp32 and its row says so instead of spending the benchmark's time. Runs go two at a time in worker
-processes of one thread each, the long shapes runs first; a seed's modes run in a rotated order.
-
-Figures: per task and mode, the mean over seeds of (accuracy - fp32's accuracy of the same seed), in
-points; goals: int8-stats and fp8-stats within 0.5 points, int16-stats within 0.2 (the absolute gap of
-the mean). Step-time cost: the median over seeds of a mode's train seconds per step over fp32's (not a
-goal: on the CPU the rounding is extra work).
+Two tasks (MNIST with ``small-cnn``, the shapes set with ``resnet10``; see :func:`plan`), each trained by
+``build_trainer`` and ``Trainer.fit`` for the same steps from the same seeds in every mode, two runs at a
+time in worker processes of one thread. bf16 autocast runs only where the device has fast bf16 (on other
+CPUs it is 30-40 times slower than fp32 and its row says so). Figures and goals: ``benchmarks/README.md``,
+section precision.
 """
 
 from __future__ import annotations

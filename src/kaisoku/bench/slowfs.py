@@ -1,32 +1,12 @@
 """``kaisoku bench slowfs``: a slow shared file system (sshfs over a capped, delayed veth): kaisoku's training
 data path against random per-file reads and the packed peers.
 
-The data folder is served by sshd from another network namespace (:mod:`kaisoku.bench.netfs`), mounted
-with sshfs, link capped at 1 Gbit/s and 200 Mbit/s, with D = 1 ms and D = 0 held per direction by a
-pipelined delay proxy; page cache dropped before every epoch of every run. Two file sets
-(:mod:`kaisoku.bench.imagesets`): the 64x64 JPEGs (20,000 files) and 1,024 JPEGs of 400x400 (~95 KiB
-each). Per row, epochs 1 and 2: I/O time (every sample's bytes delivered, no decode) and end-to-end time
-(decode, flip, batch). Rows:
-
-* random per-file reads, with 2 DataLoader workers (each reads its batch's files one by one) and with 8
-  reader threads (I/O: a pool of 8 threads; end to end: 2 workers reading each batch with 4 threads),
-  on a random subset of the files, reported as files/s;
-* kaisoku under the global, block and partial shuffles: the :class:`~kaisoku.data.loading.loader.ShardLoader`
-  ``kaisoku train`` iterates, built from a config by :func:`kaisoku.engine.data_build.shard_loader`
-  (:mod:`kaisoku.bench.slowfs_readers`): its node cache (node-local folder and /dev/shm RAM tier, staged
-  ahead from the mount), 2 decoding threads; partial as 2 nodes (gloo ranks with their own cache folders)
-  exchanging Q = 0.25 through :class:`~kaisoku.data.order.exchange.RecordStore`;
-* the packed peers LitData, MosaicML Streaming (MDS) and WebDataset reading their own formats from the
-  same mount, with their own local caches where they have one (:mod:`kaisoku.bench.slowfs_peers`), end to
-  end only (they decode as they read); a peer that is not installed is a skipped row with the reason.
-
-Every figure of a row is the median of :data:`REPEATS` runs (each from an empty cache). Beside each row:
-shuffle quality, the link bound (bytes / rate) and the setup's ceiling, one sequential read of a large file
-through the same mount, measured between the rows of the group (median). Goals: kaisoku's epoch-1 I/O
->= 10x the 8-thread per-file rate on the small files at 1 Gbit/s with 2 ms RTT; kaisoku's epoch-1 I/O rate
->= 0.8x the ceiling on every row; no source reads in epoch 2; kaisoku global's epoch-1 end-to-end rate
->= the best packed peer's in every group. Where the setup cannot run (no root, sshfs or sshd), every goal
-is recorded unmet with the reason.
+Rows: per-file reads (:mod:`kaisoku.bench.slowfs_readers`), kaisoku's ``ShardLoader`` as ``kaisoku train``
+builds it under the global, block and partial shuffles, and the packed peers
+(:mod:`kaisoku.bench.slowfs_peers`) on the mount of :mod:`kaisoku.bench.netfs`; every figure is the median
+of :data:`REPEATS` runs from empty caches; rows and goals are :mod:`kaisoku.bench.slowfs_rows`. Setup,
+goals and limits: ``benchmarks/README.md``, section slowfs. Without root, sshfs or sshd every goal is
+recorded unmet with the reason.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """``kaisoku bench vit``: vit-tiny on the generated shapes set at 32 px, 2 CPU ranks.
 
-(a) Accuracy: the ``vit-tiny-shapes`` preset through ``kaisoku train``'s builder
-    (:func:`~kaisoku.engine.build.build_trainer` and ``Trainer.fit``), data parallel on 2 ranks (DDP),
-    on the 8,000-image demo set; validated after every epoch. Goals: validation accuracy >= 60%, reached
-    in under 10 minutes of wall time from the start of training.
-(b) Switch vs data parallel: short runs of the same preset (``SHORT_STEPS`` optimizer steps of 128
-    samples, validated once at the end on the 800-image split), 3 seeds, dp-only (``parallel.dp 2``) and
-    switch (``pp2`` for the first half of the steps, then ``dp2``), their order rotating per seed. Goal:
-    switch's mean accuracy within one standard deviation (over seeds) of dp-only's.
-(c) Bubble: vit-tiny split into 2 pipeline stages between encoder layers, m in {2, 4, 8} micro-batches of
-    ``BUBBLE_MICRO`` images, GPipe and 1F1B, measured by :func:`kaisoku.bench.parallel.bubble_rank` (the
-    machinery of ``kaisoku bench parallel``). Goal: 1F1B within 25% of (p - 1) / (m + p - 1) at every m.
-
-All three run in one group of 2 gloo ranks (:func:`~kaisoku.distributed.spawn.run_ranks`).
+(a) accuracy and time to 60% of the ``vit-tiny-shapes`` preset through ``build_trainer``; (b) switch
+against data parallel on short runs over 3 seeds; (c) the 1F1B bubble of vit-tiny in 2 stages, measured by
+:func:`kaisoku.bench.parallel.bubble_rank`. All three run in one group of 2 gloo ranks. Setup and goals:
+``benchmarks/README.md``, section vit.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
-"""The large-batch recipe as one call: optimizer, schedule and loss for a model and a batch size.
+"""The large-batch recipe, defined once: as config values for ``kaisoku train`` and as one Python call.
 
-``large_batch(model, base_lr=..., batch=..., epochs=..., steps_per_epoch=...)`` applies every piece that
-``kaisoku train`` applies from config, so a Python training loop gets the same recipe::
+:class:`Recipe` holds the recipe's settings; :meth:`Recipe.apply` writes them into a
+:class:`~kaisoku.config.Config` for a batch size (the presets ``cpu-large-batch`` and
+``resnet50-imagenet-lars`` and ``kaisoku bench largebatch`` use it), and
+``large_batch(model, base_lr=..., batch=..., epochs=..., steps_per_epoch=...)`` builds the same recipe's
+optimizer, schedule and loss for a Python training loop::
 
     optimizer, scheduler, loss_fn = large_batch(model, base_lr=0.1, batch=4096, epochs=10, steps_per_epoch=12)
     for x, y in loader:
@@ -18,12 +21,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from kaisoku.config import Config
 from kaisoku.errors import ConfigError
 from kaisoku.optim.factory import param_groups
 from kaisoku.optim.kfac import KFAC
@@ -35,6 +40,86 @@ def default_warmup_epochs(batch: int, base_batch: int, epochs: float) -> float:
     """Warmup that grows with the batch: ``0.5 * max(1, log2(batch / base_batch))`` epochs, at most a quarter of the run."""
     ratio = max(1.0, batch / base_batch)
     return min(0.25 * epochs, 0.5 * max(1.0, math.log2(ratio)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """The large-batch recipe's settings: the learning rate at ``base_batch`` and how it scales, the
+    optimizer, the warmup and decay, label smoothing. One source for the presets, the benchmark and
+    :func:`large_batch`."""
+
+    base_lr: float
+    """Peak learning rate at ``base_batch``."""
+    base_batch: int = 256
+    """The batch ``base_lr`` is for."""
+    lr_scaling: Literal["linear", "sqrt"] = "sqrt"
+    """The peak learning rate at batch B: ``base_lr * k`` or ``base_lr * sqrt(k)``, ``k = B / base_batch``."""
+    optimizer: Literal["lars", "lamb", "adamw", "sgd"] = "lars"
+    """lars (the recipe), lamb, adamw, or sgd (what the recipe is compared against)."""
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 5e-5
+    """Weight decay of the weights; BatchNorm parameters and biases get none and no trust ratio."""
+    eta: float = 0.0
+    """LARS trust coefficient; 0: the model-size rule (:func:`~kaisoku.optim.lars.lars_eta`)."""
+    trust_clip: bool = False
+    warmup_epochs: float | None = None
+    """Linear warmup; None: :func:`default_warmup_epochs` of the batch."""
+    schedule: Literal["poly", "cosine", "arccot", "constant"] = "poly"
+    poly_power: float = 2.0
+    arccot_center: float = 0.5
+    arccot_slope: float = 10.0
+    label_smoothing: float = 0.1
+    zero_init_residual: bool = True
+    """Zero the last BatchNorm of every residual block, so that each starts as the identity."""
+
+    def lr(self, batch: int) -> float:
+        """The peak learning rate at ``batch``."""
+        ratio = batch / self.base_batch
+        return self.base_lr * (ratio if self.lr_scaling == "linear" else math.sqrt(ratio))
+
+    def warmup(self, batch: int, epochs: float) -> float:
+        """Warmup epochs at ``batch`` in a run of ``epochs``."""
+        if self.warmup_epochs is not None:
+            return self.warmup_epochs
+        return default_warmup_epochs(batch, self.base_batch, epochs)
+
+    def apply(self, cfg: Config, *, batch: int, epochs: float) -> Config:
+        """Write the recipe at global batch ``batch`` for ``epochs`` epochs into ``cfg`` (returned)."""
+        cfg.data.global_batch = batch
+        cfg.train.epochs = epochs
+        cfg.train.label_smoothing = self.label_smoothing
+        cfg.model.zero_init_residual = self.zero_init_residual
+        optim = cfg.optim
+        optim.name = self.optimizer
+        optim.lr = self.lr(batch)
+        optim.momentum = self.momentum
+        optim.nesterov = self.nesterov
+        optim.weight_decay = self.weight_decay
+        optim.eta = self.eta
+        optim.trust_clip = self.trust_clip
+        optim.no_decay_bn_bias = True
+        sched = cfg.sched
+        sched.name = self.schedule
+        sched.warmup_epochs = self.warmup(batch, epochs)
+        sched.poly_power = self.poly_power
+        sched.arccot_center = self.arccot_center
+        sched.arccot_slope = self.arccot_slope
+        return cfg
+
+
+#: The recipe on CPU ranks for small models (``cpu-large-batch``, ``kaisoku bench largebatch``): LARS with
+#: the model-size trust coefficient, base lr 0.2 at batch 128 scaled by sqrt(k), weight decay 5e-4,
+#: warmup by batch, then arc-cotangent decay (centre 0.5, slope 5), label smoothing 0.1.
+CPU_RECIPE = Recipe(
+    base_lr=0.2, base_batch=128, weight_decay=5e-4, schedule="arccot", arccot_center=0.5, arccot_slope=5.0
+)
+
+#: ResNet-50 on ImageNet at batch 32,768 (``resnet50-imagenet-lars``), MLPerf-style: LARS (eta 0.001), lr
+#: 29.0 at that batch, 5 warmup epochs then polynomial (power 2) decay, weight decay 5e-5, label smoothing 0.1.
+IMAGENET_RECIPE = Recipe(
+    base_lr=29.0, base_batch=32768, eta=0.001, weight_decay=5e-5, warmup_epochs=5.0, schedule="poly"
+)
 
 
 def zero_init_last_bn(model: nn.Module) -> int:
@@ -129,8 +214,15 @@ def large_batch(
             raise ConfigError(message)
     if zero_init_residual:
         zero_init_last_bn(model)
-    ratio = batch / base_batch
-    lr = base_lr * (ratio if lr_scaling == "linear" else math.sqrt(ratio))
+    recipe = Recipe(
+        base_lr=base_lr,
+        base_batch=base_batch,
+        lr_scaling=lr_scaling,
+        warmup_epochs=warmup_epochs,
+        schedule=schedule,
+        poly_power=poly_power,
+    )
+    lr = recipe.lr(batch)
     groups = param_groups(model, weight_decay=weight_decay, no_decay_bn_bias=True)
     if not groups:
         raise ConfigError("large_batch: the model has no trainable parameters")
@@ -150,8 +242,7 @@ def large_batch(
     else:
         opt = torch.optim.AdamW(groups, lr=lr, betas=(momentum, 0.999), weight_decay=weight_decay)
     total = max(1, round(epochs * steps_per_epoch))
-    warmup = default_warmup_epochs(batch, base_batch, epochs) if warmup_epochs is None else warmup_epochs
-    warmup_steps = min(round(warmup * steps_per_epoch), total - 1)
+    warmup_steps = min(round(recipe.warmup(batch, epochs) * steps_per_epoch), total - 1)
     factor = schedule_factor(schedule, total_steps=total, warmup_steps=warmup_steps, poly_power=poly_power)
     return LargeBatch(opt, WarmupSchedule(opt, factor), nn.CrossEntropyLoss(label_smoothing=label_smoothing))
 
