@@ -32,7 +32,7 @@ class ModelConfig:
     bn_momentum: float = 0.1
     """BatchNorm running-statistics momentum."""
     width: int = 0
-    """cosmoflow: channels of the first of its five conv blocks, doubled at each block; 0: the reference's 32 (cosmoflow-cpu uses 8 to train on a CPU)."""
+    """Channels of the first conv block, doubled at each block: cosmoflow (five blocks; 0: the reference's 32; cosmoflow-cpu uses 8 to train on a CPU) and small-cnn (three blocks; 0: 32)."""
 
 
 @dataclass(kw_only=True)

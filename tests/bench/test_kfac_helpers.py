@@ -16,7 +16,6 @@ from kaisoku.bench.training import (
     crossing,
     first_crossing,
     npz_splits,
-    small_cnn,
     tune,
 )
 from kaisoku.distributed.env import World
@@ -93,9 +92,8 @@ def test_engine_run_trains_validates_and_splits_its_time(tmp_path: Path, mnist_p
     assert abs(float(data["train"].tensors[0].mean())) < 0.2  # normalised
     cfg = bench_config(tmp_path / "run", seed=0)
     cfg.data.global_batch, cfg.train.epochs, cfg.optim.lr = 64, 2, 0.05
-    run = EngineRun(
-        cfg, World(), UserParts(model=small_cnn(4), train_data=data["train"], val_data=data["val"])
-    )
+    cfg.model.name, cfg.model.width = "small-cnn", 4
+    run = EngineRun(cfg, World(), UserParts(train_data=data["train"], val_data=data["val"]))
     assert run.steps_per_epoch == 8 and run.total_steps == 16
     assert run.train(5) and run.step == 5
     assert run.train(100) and run.step == 16  # never past the run's end

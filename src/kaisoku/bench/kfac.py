@@ -55,7 +55,6 @@ from kaisoku.bench.training import (
     first_crossing,
     learned,
     npz_splits,
-    small_cnn,
     tune,
 )
 from kaisoku.config import Config
@@ -222,6 +221,8 @@ def method_config(
     cfg = bench_config(run_dir, seed=seed, device=plan.device)
     if plan.case == "resnet10-shapes":
         cfg.model.name, cfg.model.stem, cfg.model.num_classes = "resnet10", "compact", len(CLASSES)
+    else:
+        cfg.model.name, cfg.model.width = "small-cnn", 16
     cfg.data.global_batch = plan.global_batch
     cfg.train.epochs = plan.max_epochs
     cfg.train.max_steps = max_steps
@@ -264,8 +265,7 @@ def train_run(
     cfg = method_config(
         method, setting, plan, seed=seed, train_samples=len(train), run_dir=run_dir, max_steps=max_steps
     )
-    model = small_cnn(16) if plan.case == "mnist" else None
-    run = EngineRun(cfg, world, UserParts(model=model, train_data=train, val_data=data[eval_split]))
+    run = EngineRun(cfg, world, UserParts(train_data=train, val_data=data[eval_split]))
     curve: list[dict[str, float]] = []
     reached: dict[str, float] | None = None
     chunk = max_steps or plan.eval_every

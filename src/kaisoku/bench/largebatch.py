@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from kaisoku.bench.common import goal, locate_mnist, print_table, write_result
-from kaisoku.bench.training import EngineRun, bench_config, learned, npz_splits, small_cnn, tune
+from kaisoku.bench.training import EngineRun, bench_config, learned, npz_splits, tune
 from kaisoku.distributed.env import World
 from kaisoku.optim.recipe import CPU_RECIPE, Recipe
 from kaisoku.parts import UserParts
@@ -125,9 +125,8 @@ def train_run(
     )
     cfg.train.grad_accum = max(1, batch // MICRO_BATCH)
     cfg.train.log_every = 10**9  # one check for non-finite values, at the end
-    run = EngineRun(
-        cfg, World(), UserParts(model=small_cnn(width), train_data=data["train"], val_data=data["val"])
-    )
+    cfg.model.name, cfg.model.width = "small-cnn", width
+    run = EngineRun(cfg, World(), UserParts(train_data=data["train"], val_data=data["val"]))
     try:
         run.train(run.total_steps)
         accuracy = {"val": 100.0 * run.accuracy(), "test": 100.0 * run.accuracy(data["test"])}

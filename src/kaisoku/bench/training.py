@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,15 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from kaisoku.config import Config
 from kaisoku.distributed.env import World
 from kaisoku.engine.build import build_trainer
 from kaisoku.errors import KaisokuError
-from kaisoku.models.zoo import SmallCNN
-from kaisoku.parts import ModelSpec, UserParts
+from kaisoku.parts import UserParts
 
 #: Accuracy (fraction) at or below which a run counts as diverged (chance is 0.1 on ten classes).
 CHANCE_CEILING = 0.2
@@ -53,15 +50,6 @@ def npz_splits(path: Path, limits: dict[str, int | None]) -> dict[str, TensorDat
         )
         for split, x in images.items()
     }
-
-
-def small_cnn(width: int) -> Callable[[ModelSpec], nn.Module]:
-    """A factory of the zoo's ``small-cnn`` at ``width`` channels (``model.width`` does not reach it)."""
-
-    def build(spec: ModelSpec) -> nn.Module:
-        return SmallCNN(num_classes=spec.num_classes, in_channels=spec.in_channels, width=width)
-
-    return build
 
 
 def bench_config(run_dir: Path, *, seed: int, device: str = "cpu") -> Config:

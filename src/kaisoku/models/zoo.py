@@ -125,7 +125,7 @@ def build_model(
     number of regression targets (``width``: its first block's channels, 0: 32); the image side for the vision transformers (0: vit-tiny's 32, vit-b16's 224).
     """
     if name == "small-cnn":
-        return SmallCNN(num_classes=num_classes, in_channels=in_channels)
+        return SmallCNN(num_classes=num_classes, in_channels=in_channels, width=width or 32)
     if name == "cosmoflow":
         return CosmoFlow(size=size or 128, in_channels=in_channels, outputs=num_classes, width=width or 32)
     if name in VITS:
