@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -235,8 +236,6 @@ def test_a_read_only_run_folder_is_one_line(tmp_path: Path, packed: Path) -> Non
 
 @pytest.mark.timeout(300)
 def test_a_broken_index_exits_3_with_a_run_folder_and_run_json(tmp_path: Path, packed: Path) -> None:
-    import shutil
-
     broken = tmp_path / "broken"
     shutil.copytree(packed, broken)
     index = broken / "train" / "index.json"

@@ -1,6 +1,6 @@
 """Regression from `kaisoku train`: CosmoFlow on packed universes with 2 ranks, MSE and MAE per target, also
-split into a 2-stage pipeline; a dataset that does not fit the model or the loss is refused in one line
-before training."""
+split into a 2-stage pipeline, and (the cosmoflow-cpu preset, with dropout) resumed mid-run equal to the run
+that never stopped; a dataset that does not fit the model or the loss is refused in one line before training."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kaisoku.config import Config
+from kaisoku.config import Config, apply_override
 from kaisoku.data.cosmo import universe_arrays
 from kaisoku.data.datagen import generate
 from kaisoku.data.shards.writer import pack
@@ -143,3 +143,60 @@ def test_cosmoflow_trains_as_a_two_stage_pipeline(tmp_path: Path, volumes: Path)
     (metrics,) = tmp_path.rglob("run/metrics.jsonl")
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert next(r for r in records if r.get("event") == "start")["parallel"] == "pp2:0-"
+
+
+def _preset_config(data: Path, run_dir: Path, **overrides: object) -> Config:
+    """The cosmoflow-cpu preset (dropout 0.5 after both hidden dense layers, one loader worker) on the tiny
+    volumes: 4 steps per epoch, 3 epochs, a checkpoint every 2 steps."""
+    cfg = get_preset("cosmoflow-cpu")
+    cfg.run_dir = str(run_dir)
+    settings: dict[str, object] = {
+        "data.path": str(data), "data.image_size": 8, "data.global_batch": 8, "model.width": 4,
+        "train.epochs": 3, "checkpoint.every_steps": 2, "metrics.progress": False,
+    }  # fmt: skip
+    for key, value in {**settings, **overrides}.items():
+        apply_override(cfg, key.replace("__", "."), value)
+    return cfg
+
+
+def _fit(cfg: Config, world: World, resume: str = "") -> int:
+    """Train ``cfg`` to its end; the step it started from."""
+    trainer = build_trainer(cfg, world, resume=resume)
+    start = trainer.state.step
+    trainer.fit()
+    trainer.metrics.close()
+    return start
+
+
+def _whole_and_resumed(rank: int, world_size: int, tmp: Path, data: Path) -> tuple[int, Path]:
+    world = World(rank=rank, world_size=world_size, local_world_size=world_size)
+    _fit(_preset_config(data, tmp / "whole"), world)
+    # Stopped mid-epoch after the step-6 checkpoint, then resumed by a new trainer: the epoch boundary
+    # and validation after the resume are where the resumed run's random numbers used to part.
+    _fit(_preset_config(data, tmp / "split", train__max_steps=6), world)
+    return _fit(_preset_config(data, tmp / "split", checkpoint__resume="auto"), world, "auto"), tmp
+
+
+@pytest.mark.timeout(300)
+def test_cosmoflow_with_dropout_resumed_from_its_own_checkpoint_equals_the_uninterrupted_run(
+    tmp_path: Path, volumes: Path
+) -> None:
+    results = run_ranks(_whole_and_resumed, 2, tmp_path, volumes, timeout=240)
+    assert [start for start, _ in results] == [6, 6]
+    root = results[0][1]
+    whole, split = (
+        torch.load(root / run / "checkpoints" / "step-00000012.pt", weights_only=True)
+        for run in ("whole", "split")
+    )
+    for part in ("model", "optimizer"):
+        expected, got = _tensors(whole[part]), _tensors(split[part])
+        assert expected.keys() == got.keys() and expected
+        assert [name for name in expected if not torch.equal(expected[name], got[name])] == [], part
+
+
+def _tensors(tree: object, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor in a nested dict/list, by its path."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else []
+    return {k: v for key, sub in items for k, v in _tensors(sub, f"{prefix}/{key}").items()}

@@ -230,8 +230,9 @@ def build_scheduler(
     """A per-step scheduler: linear warmup of ``cfg.warmup_epochs``, then ``cfg.name``.
 
     Step it once after every ``optimizer.step()``. ``total_steps`` is the length of the whole run in
-    optimizer steps (``epochs * steps_per_epoch``, or ``train.max_steps`` when that is shorter); fractions
-    in ``cfg`` (arccot centre, step milestones) are fractions of it.
+    optimizer steps (``epochs * steps_per_epoch``; ``train.max_steps`` only stops a run early, so a run
+    stopped there and resumed follows the same curve); fractions in ``cfg`` (arccot centre, step
+    milestones) are fractions of it.
     """
     check_sched_config(cfg, steps_per_epoch=steps_per_epoch, total_steps=total_steps)
     factor = schedule_factor(
