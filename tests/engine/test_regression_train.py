@@ -188,7 +188,7 @@ def test_cosmoflow_with_dropout_resumed_from_its_own_checkpoint_equals_the_unint
         torch.load(root / run / "checkpoints" / "step-00000012.pt", weights_only=True)
         for run in ("whole", "split")
     )
-    for part in ("model", "optimizer"):
+    for part in ("model", "optimizer", "rng"):
         expected, got = _tensors(whole[part]), _tensors(split[part])
         assert expected.keys() == got.keys() and expected
         assert [name for name in expected if not torch.equal(expected[name], got[name])] == [], part

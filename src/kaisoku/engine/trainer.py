@@ -368,11 +368,17 @@ class Trainer:
         whole validation set, all-reduced over ranks."""
         if self.val_loader is None:
             return {}
+        # Validation draws no number of the run's: the checkpoint after it holds the generator state an
+        # uninterrupted run has there (the loader's iterator draws its base seed from the global generator).
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            return self._validate()
+
+    def _validate(self) -> dict[str, float]:
         model = self.engine.eval_model()
         model.eval()
         sums: torch.Tensor | None = None
         seen = 0
-        for inputs, targets in self.val_loader:
+        for inputs, targets in self.val_loader or ():
             inputs, targets = self._prepare(inputs, targets)
             with self.precision.autocast():
                 outputs = model(inputs)
