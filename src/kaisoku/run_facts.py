@@ -207,10 +207,7 @@ def describe_model(cfg: Config, data: DataFacts, parts: UserParts | None = None)
     except KaisokuError as error:
         count, reason = None, str(error)
     layers = tuple(quantizable_layers(model))
-    randomness = any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())
-    return ModelFacts(
-        spec=spec, block_count=count, block_error=reason, layer_names=layers, has_randomness=randomness
-    )
+    return ModelFacts(spec=spec, block_count=count, block_error=reason, layer_names=layers)
 
 
 def planned_world(nproc: int, nnodes: int = 1) -> WorldShape:

@@ -93,8 +93,6 @@ class ModelFacts:
     """Why the model cannot be split (one line), when ``block_count`` is None."""
     layer_names: tuple[str, ...] = ()
     """Names of its Conv/Linear layers (precision.keep may name them)."""
-    has_randomness: bool = False
-    """Whether a module draws random numbers in training (dropout), so resume must restore the RNG."""
 
 
 @dataclass(frozen=True)
