@@ -71,6 +71,7 @@ def test_hybrid_batches_come_from_replicas_and_microbatches() -> None:
     assert plan.hybrid
     assert (plan.rank_batch, plan.micro_batch) == (32, 8)  # 2 replicas of a 2-stage pipeline
     assert str(plan.schedule) == "dp2xpp2:0-"
+    assert (plan.mesh_shape, plan.mesh_description) == ((2,), "dp=2")  # not one replica per rank
 
 
 def test_volumes_regression_mse_and_no_normalisation() -> None:

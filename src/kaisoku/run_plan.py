@@ -109,7 +109,8 @@ class RunPlan:
     """parallel.shard: none (DDP), grad (ZeRO-2-like) or full (ZeRO-3-like): the sharded engine when not none."""
     mesh_shape: tuple[int, ...]
     """The data-parallel mesh: ``(replicas, shards)`` under sharding (dims :data:`DATA_MESH_DIM_NAMES`),
-    else ``(world size,)``; shards 1 where the world is not known."""
+    the first layout's replicas under pipeline stages, else ``(world size,)``; shards 1 where the world is
+    not known."""
     data: DataFacts
     model: ModelFacts
     rank_batch: int
@@ -206,10 +207,13 @@ def resolve(cfg: Config, world: WorldShape | None, data: DataFacts, model: Model
     mesh_shape = _check_shard(cfg, world, hybrid)
     # One rank has nothing to shard over: it runs (and checkpoints) as plain data parallelism.
     shard: ShardLevel = cfg.parallel.shard if world is None or size > 1 else "none"
+    if shard == "none":
+        mesh_shape = (size,)
     first = schedule.layout_at(0) if schedule is not None else None
     layout_micro_batches: dict[ParallelLayout, int] = {}
     if hybrid:
         replicas = first.dp if first is not None else max(1, cfg.parallel.dp)
+        mesh_shape = (replicas,)  # the data-parallel replicas of the first layout, not every rank
         rank_batch = cfg.data.global_batch // replicas
         micro_batch = max(1, rank_batch // cfg.parallel.microbatches)
         for segment in schedule.segments if schedule is not None else ():
