@@ -23,7 +23,7 @@ from kaisoku.config import Config
 from kaisoku.data.loading.transforms import IMAGENET_MEAN, IMAGENET_STD
 from kaisoku.data.node_cache.staging import CacheSettings
 from kaisoku.data.order.shuffle import ShuffleSpec
-from kaisoku.distributed.layout import ParallelLayout, SwitchSchedule, check_parallel, resolve_schedule
+from kaisoku.distributed.layout import ParallelLayout, SwitchSchedule, check_parallel
 from kaisoku.distributed.mesh import DATA_MESH_DIM_NAMES, data_mesh_shape
 from kaisoku.engine.compile import compile_conflict
 from kaisoku.errors import ConfigError
@@ -336,7 +336,7 @@ def _check_parallel(
     """``parallel.*`` on the world (degrees, batch splits, stages against blocks) and what it excludes."""
     par = cfg.parallel
     what = "parallel.switch" if par.switch.strip() else f"parallel.pp {par.pp}"
-    check_parallel(
+    schedule = check_parallel(
         world_size=world.world_size if world is not None else None,
         global_batch=cfg.data.global_batch,
         dp=par.dp,
@@ -348,11 +348,7 @@ def _check_parallel(
         unit=par.switch_unit,
         block_count=lambda: _block_count(model, what),
     )
-    schedule = None
     if world is not None:
-        schedule = resolve_schedule(
-            world.world_size, dp=par.dp, pp=par.pp, switch=par.switch, unit=par.switch_unit
-        )
         if not par.hybrid and cfg.data.global_batch % world.world_size:
             size, batch = world.world_size, cfg.data.global_batch
             raise ConfigError(
