@@ -196,7 +196,7 @@ def resolve(cfg: Config, world: WorldShape | None, data: DataFacts, model: Model
     """
     _check_data_against_model(cfg, data, model)
     hybrid = cfg.parallel.hybrid
-    schedule = _check_parallel(cfg, world, data, model)
+    schedule = _check_parallel(cfg, world, model)
     _check_memory(cfg, model, hybrid)
     precision_path = _check_precision(cfg, model)
     conflict = compile_conflict(cfg.train.compile, hybrid=hybrid, kfac=cfg.optim.kfac.enabled)
@@ -330,9 +330,7 @@ def _block_count(model: ModelFacts, what: str) -> int:
     return model.block_count
 
 
-def _check_parallel(
-    cfg: Config, world: WorldShape | None, data: DataFacts, model: ModelFacts
-) -> SwitchSchedule | None:
+def _check_parallel(cfg: Config, world: WorldShape | None, model: ModelFacts) -> SwitchSchedule | None:
     """``parallel.*`` on the world (degrees, batch splits, stages against blocks) and what it excludes."""
     par = cfg.parallel
     what = "parallel.switch" if par.switch.strip() else f"parallel.pp {par.pp}"
@@ -348,20 +346,19 @@ def _check_parallel(
         unit=par.switch_unit,
         block_count=lambda: _block_count(model, what),
     )
-    if world is not None:
-        if not par.hybrid and cfg.data.global_batch % world.world_size:
-            size, batch = world.world_size, cfg.data.global_batch
-            raise ConfigError(
-                f"data.global_batch {batch} is not a multiple of the world size {size}: {batch} / {size} = "
-                f"{batch / size:g} samples per rank; choose a global batch divisible by the number of ranks"
-            )
     if not par.hybrid:
-        if world is not None and (cfg.data.global_batch // world.world_size) % cfg.train.grad_accum:
-            per_rank = cfg.data.global_batch // world.world_size
-            raise ConfigError(
-                f"train.grad_accum {cfg.train.grad_accum} does not divide the {per_rank} samples per rank "
-                f"(data.global_batch {cfg.data.global_batch} / {world.world_size} ranks)"
-            )
+        if world is not None:
+            size, batch = world.world_size, cfg.data.global_batch
+            if batch % size:
+                raise ConfigError(
+                    f"data.global_batch {batch} is not a multiple of the world size {size}: {batch} / {size} "
+                    f"= {batch / size:g} samples per rank; choose a global batch divisible by the number of ranks"
+                )
+            if (batch // size) % cfg.train.grad_accum:
+                raise ConfigError(
+                    f"train.grad_accum {cfg.train.grad_accum} does not divide the {batch // size} samples per "
+                    f"rank (data.global_batch {batch} / {size} ranks)"
+                )
         return schedule
     unsupported = [
         (cfg.train.grad_accum != 1, f"train.grad_accum {cfg.train.grad_accum}: use parallel.microbatches"),
