@@ -71,6 +71,7 @@ def test_hybrid_batches_come_from_replicas_and_microbatches() -> None:
     assert plan.hybrid
     assert (plan.rank_batch, plan.micro_batch) == (32, 8)  # 2 replicas of a 2-stage pipeline
     assert str(plan.schedule) == "dp2xpp2:0-"
+    assert (plan.mesh_shape, plan.mesh_description) == ((2,), "dp=2")  # not one replica per rank
 
 
 def test_volumes_regression_mse_and_no_normalisation() -> None:
@@ -141,7 +142,7 @@ def test_user_loss_by_import_path_is_the_users() -> None:
     assert _plan(_cfg(train__loss="torch.nn:L1Loss")).loss == "user"
 
 
-def test_model_facts_blocks_layers_and_dropout() -> None:
+def test_model_facts_blocks_and_layers() -> None:
     cfg = _cfg(model__name="vit-tiny", data__image_size=32)
     facts = describe_model(cfg, IMAGES)
     assert facts.block_count == 8

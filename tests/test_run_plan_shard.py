@@ -39,7 +39,7 @@ def test_shard_levels_and_mesh_shapes() -> None:
 
 def test_one_rank_runs_as_plain_data_parallel() -> None:
     plan = _plan(1, parallel__shard="full")
-    assert (plan.shard, plan.engine_name) == ("none", "data parallel")
+    assert (plan.shard, plan.engine_name, plan.mesh_shape) == ("none", "data parallel", (1,))
 
 
 def test_world_unknown_keeps_the_level() -> None:

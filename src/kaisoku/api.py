@@ -72,7 +72,9 @@ def launch(main: Callable[[], Any], *, nproc: int = 0, max_restarts: int = 0) ->
     Under torchrun or srun (or with ``nproc`` 1) ``main`` just runs here: the same script works on a laptop,
     under ``torchrun --nproc-per-node 8 script.py`` and in an ``srun`` step. Elsewhere the script is started
     again on ``nproc`` ranks through torchrun's own launcher (``--standalone``), each of which runs ``main``;
-    the launcher returns None when every rank succeeded and exits with one line and code 1 when one failed.
+    the launcher returns None when every rank succeeded. When one failed, the launcher exits with its exit
+    code (the rank printed why: one line for a known failure, e.g. code 2 for settings ``fit`` refuses), or
+    with one line and code 1 when a signal killed it.
     """
     if inside_torchrun() or inside_slurm_step():
         return main()
@@ -90,7 +92,7 @@ def launch(main: Callable[[], Any], *, nproc: int = 0, max_restarts: int = 0) ->
         print("kaisoku: interrupted", file=sys.stderr)
         raise SystemExit(130)
     first = result.failures[0]
-    print(
-        f"kaisoku: error: rank {first.rank} failed ({first.how}); see the run folder's logs/", file=sys.stderr
-    )
-    raise SystemExit(1)
+    if first.signal:  # it could not say why itself
+        print(f"kaisoku: error: rank {first.rank} died ({first.how})", file=sys.stderr)
+    # Otherwise the rank said why (and where its logs are, when it had a run folder): its code is the run's.
+    raise SystemExit(first.exit_code)

@@ -137,10 +137,11 @@ def cmd_train(argv: Sequence[str]) -> int:
 
     # Everything that can be known before launch is refused here, before any rank or run folder exists.
     fewest, most = node_counts(cfg.dist.nnodes)
-    plan = plan_run(cfg, planned_world(cfg.dist.nproc, most), user_parts(cfg))
+    parts = user_parts(cfg)  # the user's modules imported and dataset factory called once, here
+    plan = plan_run(cfg, planned_world(cfg.dist.nproc, most), parts)
     if not (inside_torchrun() or inside_slurm_step()):
         for nodes in range(fewest, most):  # an elastic run must fit every host count it may shrink to
-            plan_run(cfg, planned_world(cfg.dist.nproc, nodes), user_parts(cfg))
+            plan_run(cfg, planned_world(cfg.dist.nproc, nodes), parts)
     if args.print_plan:
         print(plan.describe())
         return 0

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +79,10 @@ def load_object(path: str, key: str) -> Any:
     module_name, _, attribute = path.partition(":")
     if not module_name or not attribute:
         raise ConfigError(f"{key}: '{path}' is not an import path of the form package.module:name")
+    # ``python -m kaisoku`` finds modules in the working directory, the ``kaisoku`` console script would not:
+    # put it on the path, last, so that both read import paths alike and nothing installed is shadowed.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:

@@ -23,7 +23,7 @@ from kaisoku.config import Config
 from kaisoku.data.loading.transforms import IMAGENET_MEAN, IMAGENET_STD
 from kaisoku.data.node_cache.staging import CacheSettings
 from kaisoku.data.order.shuffle import ShuffleSpec
-from kaisoku.distributed.layout import ParallelLayout, SwitchSchedule, check_parallel, resolve_schedule
+from kaisoku.distributed.layout import ParallelLayout, SwitchSchedule, check_parallel
 from kaisoku.distributed.mesh import DATA_MESH_DIM_NAMES, data_mesh_shape
 from kaisoku.engine.compile import compile_conflict
 from kaisoku.errors import ConfigError
@@ -109,7 +109,8 @@ class RunPlan:
     """parallel.shard: none (DDP), grad (ZeRO-2-like) or full (ZeRO-3-like): the sharded engine when not none."""
     mesh_shape: tuple[int, ...]
     """The data-parallel mesh: ``(replicas, shards)`` under sharding (dims :data:`DATA_MESH_DIM_NAMES`),
-    else ``(world size,)``; shards 1 where the world is not known."""
+    the first layout's replicas under pipeline stages, else ``(world size,)``; shards 1 where the world is
+    not known."""
     data: DataFacts
     model: ModelFacts
     rank_batch: int
@@ -195,7 +196,7 @@ def resolve(cfg: Config, world: WorldShape | None, data: DataFacts, model: Model
     """
     _check_data_against_model(cfg, data, model)
     hybrid = cfg.parallel.hybrid
-    schedule = _check_parallel(cfg, world, data, model)
+    schedule = _check_parallel(cfg, world, model)
     _check_memory(cfg, model, hybrid)
     precision_path = _check_precision(cfg, model)
     conflict = compile_conflict(cfg.train.compile, hybrid=hybrid, kfac=cfg.optim.kfac.enabled)
@@ -206,10 +207,13 @@ def resolve(cfg: Config, world: WorldShape | None, data: DataFacts, model: Model
     mesh_shape = _check_shard(cfg, world, hybrid)
     # One rank has nothing to shard over: it runs (and checkpoints) as plain data parallelism.
     shard: ShardLevel = cfg.parallel.shard if world is None or size > 1 else "none"
+    if shard == "none":
+        mesh_shape = (size,)
     first = schedule.layout_at(0) if schedule is not None else None
     layout_micro_batches: dict[ParallelLayout, int] = {}
     if hybrid:
         replicas = first.dp if first is not None else max(1, cfg.parallel.dp)
+        mesh_shape = (replicas,)  # the data-parallel replicas of the first layout, not every rank
         rank_batch = cfg.data.global_batch // replicas
         micro_batch = max(1, rank_batch // cfg.parallel.microbatches)
         for segment in schedule.segments if schedule is not None else ():
@@ -326,13 +330,11 @@ def _block_count(model: ModelFacts, what: str) -> int:
     return model.block_count
 
 
-def _check_parallel(
-    cfg: Config, world: WorldShape | None, data: DataFacts, model: ModelFacts
-) -> SwitchSchedule | None:
+def _check_parallel(cfg: Config, world: WorldShape | None, model: ModelFacts) -> SwitchSchedule | None:
     """``parallel.*`` on the world (degrees, batch splits, stages against blocks) and what it excludes."""
     par = cfg.parallel
     what = "parallel.switch" if par.switch.strip() else f"parallel.pp {par.pp}"
-    check_parallel(
+    schedule = check_parallel(
         world_size=world.world_size if world is not None else None,
         global_batch=cfg.data.global_batch,
         dp=par.dp,
@@ -344,24 +346,19 @@ def _check_parallel(
         unit=par.switch_unit,
         block_count=lambda: _block_count(model, what),
     )
-    schedule = None
-    if world is not None:
-        schedule = resolve_schedule(
-            world.world_size, dp=par.dp, pp=par.pp, switch=par.switch, unit=par.switch_unit
-        )
-        if not par.hybrid and cfg.data.global_batch % world.world_size:
-            size, batch = world.world_size, cfg.data.global_batch
-            raise ConfigError(
-                f"data.global_batch {batch} is not a multiple of the world size {size}: {batch} / {size} = "
-                f"{batch / size:g} samples per rank; choose a global batch divisible by the number of ranks"
-            )
     if not par.hybrid:
-        if world is not None and (cfg.data.global_batch // world.world_size) % cfg.train.grad_accum:
-            per_rank = cfg.data.global_batch // world.world_size
-            raise ConfigError(
-                f"train.grad_accum {cfg.train.grad_accum} does not divide the {per_rank} samples per rank "
-                f"(data.global_batch {cfg.data.global_batch} / {world.world_size} ranks)"
-            )
+        if world is not None:
+            size, batch = world.world_size, cfg.data.global_batch
+            if batch % size:
+                raise ConfigError(
+                    f"data.global_batch {batch} is not a multiple of the world size {size}: {batch} / {size} "
+                    f"= {batch / size:g} samples per rank; choose a global batch divisible by the number of ranks"
+                )
+            if (batch // size) % cfg.train.grad_accum:
+                raise ConfigError(
+                    f"train.grad_accum {cfg.train.grad_accum} does not divide the {batch // size} samples per "
+                    f"rank (data.global_batch {batch} / {size} ranks)"
+                )
         return schedule
     unsupported = [
         (cfg.train.grad_accum != 1, f"train.grad_accum {cfg.train.grad_accum}: use parallel.microbatches"),

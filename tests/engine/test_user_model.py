@@ -170,3 +170,35 @@ def test_import_path_errors_are_one_line_before_launch(tmp_path: Path) -> None:
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and expected in lines[0], result.stderr
         assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(180)
+def test_launch_exits_with_the_ranks_own_line_and_code(tmp_path: Path) -> None:
+    """Settings ``kaisoku.fit`` refuses on every rank of ``kaisoku.launch``: rank 0's one line, exit 2, as
+    ``kaisoku train`` says it (no second line pointing at a run folder that was never made)."""
+    script = tmp_path / "refused.py"
+    script.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "from torch.utils.data import TensorDataset\n"
+        "import kaisoku\n\n"
+        "def main() -> None:\n"
+        f"    cfg = kaisoku.Config(run_dir={str(tmp_path / 'run')!r})\n"
+        "    cfg.data.global_batch = 33\n"
+        "    data = TensorDataset(torch.zeros(64, 4), torch.zeros(64, dtype=torch.long))\n"
+        "    kaisoku.fit(cfg, model=nn.Linear(4, 2), data=data)\n\n"
+        "if __name__ == '__main__':\n"
+        "    kaisoku.launch(main, nproc=2)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=train_env(),
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "data.global_batch 33 is not a multiple of the world size 2" in lines[0], lines
+    assert not (tmp_path / "run").exists()

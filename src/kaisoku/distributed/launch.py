@@ -123,6 +123,8 @@ class RankFailure:
     how: str
     signal: bool = False
     """True when a signal ended it (it could not say why itself)."""
+    exit_code: int = 1
+    """The rank's exit code, where it exited rather than being killed."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,8 @@ def _failures_of(failures: dict[int, Any]) -> tuple[RankFailure, ...]:
         signal_name = failure.signal_name()
         killed = signal_name != "<N/A>"
         how = f"signal {signal_name}" if killed else f"exit code {failure.exitcode}"
-        out.append(RankFailure(rank=rank, how=how, signal=killed))
+        code = 1 if killed else int(failure.exitcode)
+        out.append(RankFailure(rank=rank, how=how, signal=killed, exit_code=code))
     return tuple(out)
 
 
