@@ -25,7 +25,7 @@ import numpy as np
 from kaisoku.bench import netfs
 from kaisoku.bench.common import goal, record_and_show
 from kaisoku.bench.imagesets import BATCH, SEED, data_root, image_set, log
-from kaisoku.bench.slowfs_readers import CacheDirs, _file_bytes, node_loader
+from kaisoku.bench.slowfs_readers import CacheDirs, _file_bytes, drop_caches_together, node_loader
 from kaisoku.data.order.shuffle import ShuffleSpec
 from kaisoku.data.shards.format import read_index
 from kaisoku.distributed.spawn import run_ranks
@@ -66,7 +66,7 @@ def _perfile_node(rank: int, world_size: int, tmp: Path, paths: list[str]) -> li
 
     out = []
     for epoch in range(2):
-        netfs.drop_caches_together(rank)
+        drop_caches_together(rank)
         order = np.random.Generator(np.random.PCG64([SEED, epoch, 0x9F])).permutation(len(paths))
         mine = [paths[i] for i in order[rank::world_size]]
         start = time.perf_counter()
@@ -90,7 +90,7 @@ def _train_node(
     out: list[float] = []
     try:
         for epoch in range(2):
-            netfs.drop_caches_together(rank)
+            drop_caches_together(rank)
             start = time.perf_counter()
             loader.set_epoch(epoch, 0)
             for _ in loader:
@@ -271,14 +271,6 @@ def _setup_rows(
     return cells, groups
 
 
-class _PatientMount(netfs.SlowMount):
-    """The slowfs mount, waiting up to 90 s for its helpers to listen (their torch import takes 10 s or
-    more on a busy 2-core machine, past the 15 s the mount waits by default)."""
-
-    def _wait_port(self, ns: str, host: str, port: int, what: str, timeout: float = 90.0) -> None:
-        super()._wait_port(ns, host, port, what, timeout=max(timeout, 90.0))
-
-
 def _configure(mount: netfs.SlowMount, setting: netfs.LinkSetting, tries: int = 3) -> None:
     """``mount.configure(setting)``, tried again when a helper process starts too slowly on a busy machine."""
     for attempt in range(tries):
@@ -317,7 +309,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
             rates = {n: _loader_rate(images.pack_dir, n, work) for n in (1, 2, 4)}
             log(f"plan: loader samples/s per node, unthrottled: {rates}")
             settings = [netfs.LinkSetting(100 * 10**6, 0.001), netfs.LinkSetting(30 * 10**6, 0.0)]
-            with _PatientMount(data_root(), log=log) as mount:
+            with netfs.SlowMount(data_root(), timeout=90.0) as mount:
                 for setting in settings:
                     _configure(mount, setting)
                     c, g = _setup_rows(mount, setting, images, work, rates, probe_seconds=30.0)

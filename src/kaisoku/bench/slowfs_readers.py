@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from kaisoku.bench import netfs
 from kaisoku.bench.imagesets import BATCH, SEED, WORKERS, flip_transform
 from kaisoku.config import Config
 from kaisoku.config_sections import ByteSize
@@ -31,6 +31,7 @@ from kaisoku.data.order.shuffle import ShuffleSpec
 from kaisoku.distributed.env import World
 from kaisoku.distributed.spawn import run_ranks
 from kaisoku.engine.data_build import shard_loader
+from kaisoku.plan.probe import drop_caches
 from kaisoku.run_facts import plan_run
 from kaisoku.run_plan import WorldShape
 
@@ -105,7 +106,7 @@ def perfile_epoch(
     epoch: int,
 ) -> tuple[float, int]:
     """Seconds and bytes (I/O) or samples (end-to-end) of random per-file reads of ``order``'s files."""
-    netfs.drop_caches()
+    drop_caches()
     start = time.perf_counter()
     total = 0
     if mode == "io" and readers == "8 threads":
@@ -199,13 +200,16 @@ class KaisokuRun:
     modes: tuple[str, ...] = ("io", "e2e")
 
 
-def _drop_caches(rank: int) -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        netfs.drop_caches_together(rank)
-    else:
-        netfs.drop_caches()
+def drop_caches_together(rank: int) -> None:
+    """Every rank of the process group (if there is one) waits while rank 0 drops the page cache, so that
+    all of them start the next timed epoch cold and at once."""
+    grouped = dist.is_available() and dist.is_initialized()
+    if grouped:
+        dist.barrier()
+    if rank == 0:
+        drop_caches()
+    if grouped:
+        dist.barrier()
 
 
 def _node_epochs(rank: int, world_size: int, tmp: Path, run: KaisokuRun) -> list[dict[str, Any]]:
@@ -222,7 +226,7 @@ def _node_epochs(rank: int, world_size: int, tmp: Path, run: KaisokuRun) -> list
             loader.connect(run_token=f"slowfs-{tmp.name}-{repeat}-{mode}")
             try:
                 for epoch in range(2):
-                    _drop_caches(rank)
+                    drop_caches_together(rank)
                     start = time.perf_counter()
                     loader.set_epoch(epoch, 0)  # starts the node cache in epoch 0; exchanges (collective)
                     total = 0
