@@ -21,7 +21,8 @@ within, as on a cluster.
 Shared storage is a read-only bind mount, not a file server in a storage namespace: NFS needs the
 kernel's ``nfsd`` and NFS client, which kernels built without them (``CONFIG_NFSD``, ``CONFIG_NFS_FS``)
 cannot have whatever userspace package is installed; the shared reads therefore do not cross the shaped
-links.
+links. Where they must, :mod:`kaisoku.testing.sshfs` serves a folder from one host of the box over sshfs
+(FUSE, no kernel file server), and :meth:`ClusterBox.reshape` sets that host's link between measurements.
 
 Names carry this process's pid, so that :func:`remove_stale` can remove what a killed test left behind.
 """
