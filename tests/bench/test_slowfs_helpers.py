@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kaisoku.bench.slowfs_readers import CacheDirs, EncodedSize, node_loader
+from kaisoku.bench.plan import measure_cell
+from kaisoku.bench.slowfs_readers import CacheDirs, EncodedSize, merge_nodes, node_loader, read_files
 from kaisoku.bench.slowfs_rows import finish_group, kaisoku_row, peer_goal, peer_row, perfile_row, summary_b
 from kaisoku.data.datagen import generate
 from kaisoku.data.loading.dataset import ShardedDataset
@@ -167,3 +168,31 @@ def test_node_loader_is_the_training_shard_loader_with_its_node_cache(
     order = loader.sampler.epoch_order(0)[: loader.steps_per_epoch * 256]
     assert delivered == sum(len(dataset[int(i)]["image"]) for i in order)
     assert stats is not None and stats["source_reads"] == len(dataset.index.shards)
+
+
+def test_merge_nodes_takes_the_slowest_node_and_sums_the_counts() -> None:
+    def record(epoch: int, seconds: float, total: int) -> dict:
+        counts = {"source_reads": total // 10, "source_bytes": total * 2, "exchanged_bytes": 1}
+        return {"repeat": 0, "mode": "io", "epoch": epoch, "seconds": seconds, "total": total, **counts}
+
+    merged = merge_nodes(
+        [[record(0, 2.0, 100), record(1, 0.5, 100)], [record(0, 1.0, 60), record(1, 0.7, 60)]]
+    )
+    assert [m["seconds"] for m in merged] == [2.0, 0.7]
+    assert [m["total"] for m in merged] == [160, 160]
+    assert merged[0]["source_reads"] == 16 and merged[0]["exchanged_bytes"] == 2 and merged[1]["epoch"] == 1
+
+
+def test_read_files_reads_every_file_whole(tmp_path: Path) -> None:
+    paths = []
+    for i in range(5):
+        (tmp_path / f"{i}.bin").write_bytes(bytes(100 * (i + 1)))
+        paths.append(str(tmp_path / f"{i}.bin"))
+    assert read_files(paths, threads=3) == 1500
+
+
+@pytest.mark.timeout(180)
+def test_plan_cell_times_two_epochs_of_the_slowest_node(tiny_pack: Path, tmp_path: Path) -> None:
+    """A staged cell of ``kaisoku bench plan`` on 2 gloo ranks (each a node with its own cache), unthrottled."""
+    seconds = measure_cell("partial-Q0.25", 2, tiny_pack, [], tmp_path)
+    assert len(seconds) == 2 and all(s > 0 for s in seconds)

@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import shutil
+import socket
 import subprocess
 import sys
 import uuid
@@ -20,6 +21,8 @@ from kaisoku.data.node_cache.cache import NodeCache
 from kaisoku.data.order.exchange import RecordStore, exchange_for_epoch, plan_exchange
 from kaisoku.data.order.sampler import EpochSampler, rank_batches
 from kaisoku.data.order.shuffle import ShuffleSpec, partial_plan, shard_of
+from kaisoku.testing.cluster import ClusterBox, unavailable_reason
+from tests.cluster.box_runs import REPO, box_env, finish
 from tests.data.node_cache.test_cache import RECORD, make_source, read_record, record_bytes
 from tests.dist_harness import run_ranks
 
@@ -166,97 +169,54 @@ def test_two_nodes_two_ranks_each(tmp_path: Path, ram_root: Path) -> None:
     _check(results, 4, 2)
 
 
-# ------------------------------------------------------------------ two network namespaces joined by a veth
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _run(*command: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(command), capture_output=True, text=True, check=False)
+# ------------------------------------------------------------------------- two hosts of a cluster in a box
 
 
 @pytest.fixture
-def two_hosts() -> Iterator[list[tuple[str, str, str]]]:
-    """Two network namespaces joined by a veth pair: (namespace, interface, address) for each."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2")
-    tag = uuid.uuid4().hex[:6]
-    hosts = [(f"ks{tag}a", f"ks{tag}a", "10.213.7.1"), (f"ks{tag}b", f"ks{tag}b", "10.213.7.2")]
-    created: list[str] = []
-    etc_existed = Path("/etc/netns").exists()
-    try:
-        for namespace, _, _ in hosts:
-            result = _run("ip", "netns", "add", namespace)
-            if result.returncode != 0:
-                pytest.skip(f"cannot create a network namespace here: {result.stderr.strip()}")
-            created.append(namespace)
-            # `ip netns exec` mounts these over /etc: names resolve locally instead of waiting on a DNS
-            # server the namespace cannot reach.
-            etc = Path("/etc/netns") / namespace
-            etc.mkdir(parents=True, exist_ok=True)
-            (etc / "hosts").write_text("127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for n, _, a in hosts))
-            (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
-        steps = [("ip", "link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1])]
-        for namespace, interface, address in hosts:
-            steps += [
-                ("ip", "link", "set", interface, "netns", namespace),
-                ("ip", "-n", namespace, "addr", "add", f"{address}/24", "dev", interface),
-                ("ip", "-n", namespace, "link", "set", interface, "up"),
-                ("ip", "-n", namespace, "link", "set", "lo", "up"),
-            ]
-        for step in steps:
-            result = _run(*step)
-            if result.returncode != 0:
-                pytest.skip(
-                    f"cannot join namespaces with a veth pair: {' '.join(step)}: {result.stderr.strip()}"
-                )
-        yield hosts
-    finally:
-        for namespace in created:
-            _run("ip", "netns", "del", namespace)
-            shutil.rmtree(Path("/etc/netns") / namespace, ignore_errors=True)
-        if not etc_existed and Path("/etc/netns").exists():
-            Path("/etc/netns").rmdir()
+def two_hosts() -> Iterator[ClusterBox]:
+    """Two hosts of a cluster in a box (own network, hostname and /dev/shm each) on an unshaped bridge."""
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with ClusterBox(2) as box:
+        yield box
+    assert box.leftovers() == []
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_two_hosts_over_veth_with_torchrun(tmp_path: Path, ram_root: Path, two_hosts: list) -> None:
+def test_two_hosts_over_the_network_with_torchrun(tmp_path: Path, two_hosts: ClusterBox) -> None:
     make_source(tmp_path / "source", SIZES)
     work = tmp_path / "ranks"
     work.mkdir()
-    master = two_hosts[0][2]
-    procs = []
-    for node, (namespace, interface, _) in enumerate(two_hosts):
-        env = dict(os.environ, GLOO_SOCKET_IFNAME=interface, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-        command = [
-            "ip", "netns", "exec", namespace,
-            sys.executable, "-m", "torch.distributed.run",
-            "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}",
-            f"--master-addr={master}", "--master-port=29531",
-            "-m", "tests.distributed.test_exchange", str(work), str(ram_root),
-        ]  # fmt: skip
-        procs.append(
-            subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    procs = [
+        two_hosts.popen(
+            node,
+            [
+                sys.executable, "-m", "torch.distributed.run",
+                "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}",
+                f"--master-addr={two_hosts.members[0].name}", "--master-port=29531",
+                "-m", "tests.distributed.test_exchange", str(work), "/dev/shm/kaisoku-exchange",
+            ],
+            env=box_env(GLOO_SOCKET_IFNAME="eth0"),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
-    outputs = []
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=150)
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            raise
-        outputs.append(out.decode(errors="replace")[-3000:])
-
-    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
+        for node in range(2)
+    ]  # fmt: skip
+    outputs = finish(procs, timeout=150)
+    assert all(code == 0 for code, _, _ in outputs), "\n".join(out[-3000:] for _, out, _ in outputs)
     results = [json.loads((work / f"result_{rank}.json").read_text()) for rank in range(2)]
-    assert [r["interface"] for r in results] == [two_hosts[0][1], two_hosts[1][1]]
+    # Each rank ran on its own host and reached the other over the bridge (its eth0), not a shared loopback.
+    assert [r["host"] for r in results] == [h.name for h in two_hosts.members]
+    assert [r["interface"] for r in results] == ["eth0", "eth0"]
     _check(results, 2, 1)
 
 
 def _torchrun_main(work: Path, ram_root: str) -> None:
-    """A rank started by torchrun inside one namespace: the two-node exchange over the veth."""
+    """A rank started by torchrun on one host of the box: the two-node exchange over the bridge."""
     import torch
 
     torch.set_num_threads(1)
@@ -264,6 +224,7 @@ def _torchrun_main(work: Path, ram_root: str) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     result = _two_nodes(rank, world_size, work, 1, 0.5, ram_root)
     result["interface"] = os.environ["GLOO_SOCKET_IFNAME"]
+    result["host"] = socket.gethostname()
     dist.barrier()
     dist.destroy_process_group()
     (work / f"result_{rank}.json").write_text(json.dumps(result))

@@ -70,6 +70,10 @@ def test_hosts_reach_each_other_by_name_over_shaped_links(box: ClusterBox) -> No
     listening.wait(30)
     qdiscs = _sh(box, 1, "tc qdisc show dev eth0").stdout
     assert "tbf" in qdiscs and "200Mbit" in qdiscs
+    box.reshape(1, Link(rate_mbit=50, queue_ms=20))
+    assert box.link_of(1) == Link(rate_mbit=50, queue_ms=20) and box.link_of(0) == Link(rate_mbit=200)
+    qdiscs = _sh(box, 1, "tc qdisc show dev eth0").stdout
+    assert "50Mbit" in qdiscs and "200Mbit" not in qdiscs and "lat 20ms" in qdiscs
 
 
 @pytest.mark.timeout(120)

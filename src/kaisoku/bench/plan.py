@@ -2,10 +2,11 @@
 
 Per link setting of the slow mount (:class:`kaisoku.bench.netfs.SlowMount`), ``kaisoku probe`` measures the
 mount and the model predicts every strategy; each (strategy, nodes) cell is then measured on gloo ranks
-(per-file reads, or the ``ShardLoader`` ``kaisoku train`` builds, :func:`_train_node`), two epochs from a
-dropped page cache, an epoch's time being the slowest node's. No DataLoader worker process is started: a
-worker started from a rank boots a fresh interpreter (the ranks are forkserver children), 6-15 s of imports
-that ``kaisoku train``'s default thread path does not pay. Projections of ``examples/clusters/`` are model
+(per-file reads, or the ``ShardLoader`` ``kaisoku train`` builds, through
+:func:`kaisoku.bench.slowfs_readers.node_epochs`), two epochs from a dropped page cache, an epoch's time
+being the slowest node's. No DataLoader worker process is started: a worker started from a rank boots a
+fresh interpreter (the ranks are forkserver children), 6-15 s of imports that ``kaisoku train``'s default
+thread path does not pay. Projections of ``examples/clusters/`` are model
 output only. Setup and goals: ``benchmarks/README.md``, section plan.
 """
 
@@ -15,7 +16,6 @@ import shutil
 import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,14 @@ import numpy as np
 from kaisoku.bench import netfs
 from kaisoku.bench.common import goal, record_and_show
 from kaisoku.bench.imagesets import BATCH, SEED, data_root, image_set, log
-from kaisoku.bench.slowfs_readers import CacheDirs, _file_bytes, node_loader
+from kaisoku.bench.slowfs_readers import (
+    CacheDirs,
+    KaisokuRun,
+    drop_caches_together,
+    merge_nodes,
+    node_epochs,
+    read_files,
+)
 from kaisoku.data.order.shuffle import ShuffleSpec
 from kaisoku.data.shards.format import read_index
 from kaisoku.distributed.spawn import run_ranks
@@ -66,38 +73,12 @@ def _perfile_node(rank: int, world_size: int, tmp: Path, paths: list[str]) -> li
 
     out = []
     for epoch in range(2):
-        netfs.drop_caches_together(rank)
+        drop_caches_together(rank)
         order = np.random.Generator(np.random.PCG64([SEED, epoch, 0x9F])).permutation(len(paths))
         mine = [paths[i] for i in order[rank::world_size]]
         start = time.perf_counter()
-        with ThreadPoolExecutor(8) as pool:
-            sum(len(b) for b in pool.map(_file_bytes, mine))
+        read_files(mine, 8)
         out.append(time.perf_counter() - start)
-    return out
-
-
-def _train_node(
-    rank: int, world_size: int, tmp: Path, pack_dir: str, spec: ShuffleSpec, dirs: CacheDirs, threads: int
-) -> list[float]:
-    """Two epochs of one node on the :class:`~kaisoku.data.loading.loader.ShardLoader` that ``kaisoku train``
-    builds for packed data (:func:`kaisoku.engine.data_build.shard_loader` from a config: its default
-    ``data.loader threads``, the node cache, the exchange). Each epoch is timed from a barrier (page cache
-    dropped) to its last batch; the first includes building the cache (staging)."""
-    loader = node_loader(
-        pack_dir, spec, dirs, rank=rank, world_size=world_size, mode="e2e", size=64, workers=threads
-    )
-    loader.connect(run_token=f"plan-{tmp.name}")
-    out: list[float] = []
-    try:
-        for epoch in range(2):
-            netfs.drop_caches_together(rank)
-            start = time.perf_counter()
-            loader.set_epoch(epoch, 0)
-            for _ in loader:
-                pass
-            out.append(time.perf_counter() - start)
-    finally:
-        loader.close()
     return out
 
 
@@ -115,14 +96,14 @@ def measure_cell(strategy: str, nodes: int, pack: Path, paths: list[str], work: 
             local=Path(tmp) / "local",
             capacity=int(index_bytes * 1.05) + (1 << 20),
         )
+        # Each node: the ShardLoader kaisoku train builds (its default thread path, the node cache, the
+        # exchange), two epochs each timed from a barrier with the page cache dropped to its last batch.
+        run = KaisokuRun(str(pack), _spec(strategy, nodes), 64, dirs, 1, modes=("e2e",), workers=THREADS)
         try:
-            per_node = run_ranks(
-                _train_node, nodes, Path(tmp), str(pack), _spec(strategy, nodes), dirs, THREADS,
-                timeout=900.0, collective_timeout=600.0,
-            )  # fmt: skip
+            per_node = run_ranks(node_epochs, nodes, Path(tmp), run, timeout=900.0, collective_timeout=600.0)
         finally:
             shutil.rmtree(dirs.ram, ignore_errors=True)
-        return [max(node[e] for node in per_node) for e in range(2)]
+        return [record["seconds"] for record in merge_nodes(per_node)]
 
 
 def _machine(profile: dict[str, Any], nodes: int, loader_rate: float, capacity: float) -> dict[str, Any]:
@@ -271,14 +252,6 @@ def _setup_rows(
     return cells, groups
 
 
-class _PatientMount(netfs.SlowMount):
-    """The slowfs mount, waiting up to 90 s for its helpers to listen (their torch import takes 10 s or
-    more on a busy 2-core machine, past the 15 s the mount waits by default)."""
-
-    def _wait_port(self, ns: str, host: str, port: int, what: str, timeout: float = 90.0) -> None:
-        super()._wait_port(ns, host, port, what, timeout=max(timeout, 90.0))
-
-
 def _configure(mount: netfs.SlowMount, setting: netfs.LinkSetting, tries: int = 3) -> None:
     """``mount.configure(setting)``, tried again when a helper process starts too slowly on a busy machine."""
     for attempt in range(tries):
@@ -317,7 +290,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
             rates = {n: _loader_rate(images.pack_dir, n, work) for n in (1, 2, 4)}
             log(f"plan: loader samples/s per node, unthrottled: {rates}")
             settings = [netfs.LinkSetting(100 * 10**6, 0.001), netfs.LinkSetting(30 * 10**6, 0.0)]
-            with _PatientMount(data_root(), log=log) as mount:
+            with netfs.SlowMount(data_root(), timeout=90.0) as mount:
                 for setting in settings:
                     _configure(mount, setting)
                     c, g = _setup_rows(mount, setting, images, work, rates, probe_seconds=30.0)

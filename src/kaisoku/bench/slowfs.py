@@ -1,4 +1,4 @@
-"""``kaisoku bench slowfs``: a slow shared file system (sshfs over a capped, delayed veth): kaisoku's training
+"""``kaisoku bench slowfs``: a slow shared file system (sshfs from the storage host of a cluster in a box, over a capped, delayed link): kaisoku's training
 data path against random per-file reads and the packed peers.
 
 Rows: per-file reads (:mod:`kaisoku.bench.slowfs_readers`), kaisoku's ``ShardLoader`` as ``kaisoku train``
@@ -39,6 +39,7 @@ from kaisoku.data.order.quality import shuffle_quality
 from kaisoku.data.order.sampler import EpochSampler
 from kaisoku.data.order.shuffle import ShuffleSpec, epoch_order
 from kaisoku.data.shards.format import Index
+from kaisoku.plan.probe import drop_caches
 
 NAME = "slowfs"
 REPEATS = 3
@@ -91,7 +92,7 @@ def part_b(
     deadline = time.monotonic() + budget_s
     ram_root = Path("/dev/shm") / f"kaisoku-bench-{os.getpid()}"
     plan = _Group(specs=specs, readers=tuple(readers), peers=tuple(peers), missing=missing, repeats=repeats)
-    with netfs.SlowMount(served, log=log) as mount:
+    with netfs.SlowMount(served) as mount:
         try:
             for setting in settings:
                 mount.configure(setting)
@@ -130,7 +131,7 @@ def _prepare_peers(slow_sets: Sequence[SlowSet], peers: Sequence[str]) -> dict[t
 
 
 def _ceiling(mount: netfs.SlowMount, ceiling_file: Path) -> float:
-    netfs.drop_caches()
+    drop_caches()
     seconds, nbytes = netfs.sequential_read_seconds(mount.path(ceiling_file))
     return nbytes / seconds
 

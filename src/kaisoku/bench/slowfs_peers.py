@@ -17,8 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kaisoku.bench import loader_peers, netfs
+from kaisoku.bench import loader_peers
 from kaisoku.bench.imagesets import BATCH, WORKERS, ImageSet
+from kaisoku.plan.probe import drop_caches
 
 PEERS = ("litdata", "mds", "webdataset")
 """The packed peers, in table order."""
@@ -72,7 +73,7 @@ def peer_epochs(
         peer = build(cache)
         try:
             for epoch in range(2):
-                netfs.drop_caches()
+                drop_caches()
                 start = time.perf_counter()
                 samples = sum(int(labels.shape[0]) for _, labels in peer.make())
                 out.append(

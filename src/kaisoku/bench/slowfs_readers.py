@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from kaisoku.bench import netfs
 from kaisoku.bench.imagesets import BATCH, SEED, WORKERS, flip_transform
+from kaisoku.bench.loader_peers import read_bytes
 from kaisoku.config import Config
 from kaisoku.config_sections import ByteSize
 from kaisoku.data.loading.dataset import ShardedDataset
@@ -31,13 +32,9 @@ from kaisoku.data.order.shuffle import ShuffleSpec
 from kaisoku.distributed.env import World
 from kaisoku.distributed.spawn import run_ranks
 from kaisoku.engine.data_build import shard_loader
+from kaisoku.plan.probe import drop_caches
 from kaisoku.run_facts import plan_run
 from kaisoku.run_plan import WorldShape
-
-
-def _file_bytes(path: str) -> bytes:
-    with open(path, "rb") as handle:
-        return handle.read()
 
 
 class FileBytes(Dataset):
@@ -50,7 +47,7 @@ class FileBytes(Dataset):
         return len(self.paths)
 
     def __getitem__(self, index: int) -> bytes:
-        return _file_bytes(self.paths[index])
+        return read_bytes(self.paths[index])
 
 
 class FileSamples(Dataset):
@@ -73,7 +70,7 @@ class FileSamples(Dataset):
         return self.transform({"image": data, "label": int(self.labels[index])}, index=index, epoch=epoch)
 
     def __getitem__(self, key: tuple[int, int]) -> tuple[np.ndarray, int]:
-        return self._sample(key, _file_bytes(self.paths[key[1]]))
+        return self._sample(key, read_bytes(self.paths[key[1]]))
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> list[tuple[np.ndarray, int]]:
         if self.threads <= 1:
@@ -81,8 +78,14 @@ class FileSamples(Dataset):
         if self._pid != os.getpid():
             self._pool, self._pid = ThreadPoolExecutor(self.threads), os.getpid()
         assert self._pool is not None
-        blobs = list(self._pool.map(_file_bytes, [self.paths[i] for _, i in keys]))
+        blobs = list(self._pool.map(read_bytes, [self.paths[i] for _, i in keys]))
         return [self._sample(key, data) for key, data in zip(keys, blobs)]
+
+
+def read_files(paths: Sequence[str], threads: int = 8) -> int:
+    """Read every file of ``paths`` whole with ``threads`` threads; the bytes read."""
+    with ThreadPoolExecutor(threads) as pool:
+        return sum(len(b) for b in pool.map(read_bytes, paths))
 
 
 def _sum_lengths(batch: Sequence[bytes]) -> int:
@@ -105,12 +108,11 @@ def perfile_epoch(
     epoch: int,
 ) -> tuple[float, int]:
     """Seconds and bytes (I/O) or samples (end-to-end) of random per-file reads of ``order``'s files."""
-    netfs.drop_caches()
+    drop_caches()
     start = time.perf_counter()
     total = 0
     if mode == "io" and readers == "8 threads":
-        with ThreadPoolExecutor(8) as pool:
-            total = sum(len(b) for b in pool.map(_file_bytes, [paths[i] for i in order]))
+        total = read_files([paths[i] for i in order], 8)
     elif mode == "io":
         loader = DataLoader(
             FileBytes(paths), batch_sampler=_batches(order), num_workers=WORKERS, collate_fn=_sum_lengths
@@ -197,18 +199,23 @@ class KaisokuRun:
     dirs: CacheDirs
     repeats: int
     modes: tuple[str, ...] = ("io", "e2e")
+    workers: int = WORKERS
+    """Decoding threads of the loader (``data.workers``)."""
 
 
-def _drop_caches(rank: int) -> None:
-    import torch.distributed as dist
+def drop_caches_together(rank: int) -> None:
+    """Every rank of the process group (if there is one) waits while rank 0 drops the page cache, so that
+    all of them start the next timed epoch cold and at once."""
+    grouped = dist.is_available() and dist.is_initialized()
+    if grouped:
+        dist.barrier()
+    if rank == 0:
+        drop_caches()
+    if grouped:
+        dist.barrier()
 
-    if dist.is_available() and dist.is_initialized():
-        netfs.drop_caches_together(rank)
-    else:
-        netfs.drop_caches()
 
-
-def _node_epochs(rank: int, world_size: int, tmp: Path, run: KaisokuRun) -> list[dict[str, Any]]:
+def node_epochs(rank: int, world_size: int, tmp: Path, run: KaisokuRun) -> list[dict[str, Any]]:
     """Every (repeat, mode, epoch) of one node: seconds from the page-cache drop to its last batch (the
     first epoch includes starting the node cache and all staging), what it delivered (image bytes or
     samples) and what :meth:`ShardLoader.epoch_stats` counted (source reads, exchanged bytes)."""
@@ -217,12 +224,13 @@ def _node_epochs(rank: int, world_size: int, tmp: Path, run: KaisokuRun) -> list
     for repeat in range(run.repeats):
         for mode in run.modes:
             loader = node_loader(
-                run.pack_dir, run.spec, run.dirs, rank=rank, world_size=world_size, mode=mode, size=run.size
-            )
+                run.pack_dir, run.spec, run.dirs, rank=rank, world_size=world_size, mode=mode, size=run.size,
+                workers=run.workers,
+            )  # fmt: skip
             loader.connect(run_token=f"slowfs-{tmp.name}-{repeat}-{mode}")
             try:
                 for epoch in range(2):
-                    _drop_caches(rank)
+                    drop_caches_together(rank)
                     start = time.perf_counter()
                     loader.set_epoch(epoch, 0)  # starts the node cache in epoch 0; exchanges (collective)
                     total = 0
@@ -250,14 +258,20 @@ def _node_epochs(rank: int, world_size: int, tmp: Path, run: KaisokuRun) -> list
 
 
 def kaisoku_epochs(run: KaisokuRun) -> list[dict[str, Any]]:
-    """:func:`_node_epochs` on one node (this process) or, for the partial shuffle, on its
+    """:func:`node_epochs` on one node (this process) or, for the partial shuffle, on its
     ``spec.num_nodes`` nodes (gloo ranks with their own caches); an epoch's time is the slowest node's,
     totals and counts are summed over the nodes."""
     nodes = run.spec.num_nodes if run.spec.name == "partial" else 1
     with tempfile.TemporaryDirectory(prefix="kaisoku-bench-slowfs-") as tmp:
         if nodes == 1:
-            return _node_epochs(0, 1, Path(tmp), run)
-        per_node = run_ranks(_node_epochs, nodes, Path(tmp), run, timeout=3600.0, collective_timeout=600.0)
+            return node_epochs(0, 1, Path(tmp), run)
+        per_node = run_ranks(node_epochs, nodes, Path(tmp), run, timeout=3600.0, collective_timeout=600.0)
+    return merge_nodes(per_node)
+
+
+def merge_nodes(per_node: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The nodes' :func:`node_epochs` records as one cluster's: an epoch's time is the slowest node's,
+    totals and counts are summed over the nodes."""
     merged = []
     for records in zip(*per_node, strict=True):
         first = records[0]

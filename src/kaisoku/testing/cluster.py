@@ -21,13 +21,15 @@ within, as on a cluster.
 Shared storage is a read-only bind mount, not a file server in a storage namespace: NFS needs the
 kernel's ``nfsd`` and NFS client, which kernels built without them (``CONFIG_NFSD``, ``CONFIG_NFS_FS``)
 cannot have whatever userspace package is installed; the shared reads therefore do not cross the shaped
-links.
+links. Where they must, :mod:`kaisoku.testing.sshfs` serves a folder from one host of the box over sshfs
+(FUSE, no kernel file server), and :meth:`ClusterBox.reshape` sets that host's link between measurements.
 
 Names carry this process's pid, so that :func:`remove_stale` can remove what a killed test left behind.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import os
@@ -36,6 +38,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +64,8 @@ class Link:
     """Bandwidth cap in Mbit/s; 0: uncapped."""
     delay_ms: float = 0.0
     """One-way delay added in each direction (needs netem); a round trip between two hosts adds four."""
+    queue_ms: float = 50.0
+    """The longest a packet waits in the token bucket's queue before it is dropped (``tbf latency``)."""
 
 
 @dataclass(frozen=True)
@@ -227,6 +232,8 @@ class ClusterBox:
     shm_size: str = "256m"
     members: list[Host] = field(init=False, default_factory=list)
     _procs: list[subprocess.Popen[Any]] = field(init=False, default_factory=list)
+    _reshaped: dict[int, Link] = field(init=False, default_factory=dict)
+    _previous_sigterm: Any = field(init=False, default=None)
     _closed: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
@@ -250,7 +257,9 @@ class ClusterBox:
         return self.folder / "shared"
 
     def link_of(self, index: int) -> Link:
-        """The shaping of host ``index``'s link."""
+        """The shaping of host ``index``'s link (as :meth:`reshape` last set it)."""
+        if index in self._reshaped:
+            return self._reshaped[index]
         if isinstance(self.link, Link):
             return self.link
         return self.link.get(index, Link())
@@ -263,6 +272,10 @@ class ClusterBox:
             raise BoxUnavailable(reason)
         if any(self.link_of(i).delay_ms > 0 for i in range(self.hosts)) and not netem_available():
             raise BoxUnavailable("link delay needs the kernel's netem qdisc, which this kernel lacks")
+        # A box stopped by SIGTERM (a timeout, say) or left at exit is torn down all the same.
+        atexit.register(self.close)
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             remove_stale()
             self._build()
@@ -275,6 +288,12 @@ class ClusterBox:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        if os.getpid() != self._owner:
+            os._exit(128 + signum)  # a forked child (a loader's worker) being stopped: not its box
+        self.close()
+        raise SystemExit(128 + signum)
 
     def _build(self) -> None:
         self.folder.mkdir(parents=True)
@@ -355,6 +374,16 @@ class ClusterBox:
              "sh", "-ec", "; ".join(mounts)]
         )  # fmt: skip
 
+    def reshape(self, host: int, link: Link) -> None:
+        """Shape host ``host``'s link as ``link`` from now on, both directions (its queues are emptied)."""
+        member = self.members[host]
+        if link.delay_ms > 0 and not netem_available():
+            raise BoxUnavailable("link delay needs the kernel's netem qdisc, which this kernel lacks")
+        for netns, device in ((member.netns, "eth0"), (self.switch, f"p{host}")):
+            _run(["ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", device, "root"], check=False)
+            self._shape(netns, device, link)
+        self._reshaped[host] = link
+
     def _shape(self, netns: str, device: str, link: Link) -> None:
         tc = ["ip", "netns", "exec", netns, "tc", "qdisc", "add", "dev", device]
         parent = ["root"]
@@ -366,7 +395,7 @@ class ClusterBox:
             # A bucket of ~1 ms at the rate (at least 64 KiB, so a segment of offloaded TCP fits).
             burst = max(64 * 1024, rate_bits // 8 // 1000)
             _run([*tc, *parent, "handle", "2:", "tbf", "rate", str(rate_bits), "burst", str(burst),
-                  "latency", "50ms"])  # fmt: skip
+                  "latency", f"{link.queue_ms:g}ms"])  # fmt: skip
 
     def close(self) -> None:
         """Kill every process in the box and remove its namespaces, mounts and folder; safe to call twice."""
@@ -388,6 +417,9 @@ class ClusterBox:
             shutil.rmtree(self.folder, ignore_errors=True)
         with contextlib.suppress(OSError):
             _ROOT.rmdir()  # only when no other box is left
+        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+        atexit.unregister(self.close)
 
     def leftovers(self) -> list[str]:
         """What of this box still exists (namespaces, mounts, folder, processes); empty after close."""
@@ -435,6 +467,24 @@ class ClusterBox:
             timeout=timeout,
             check=False,
         )
+
+    def wait_listening(self, host: int, address: str, port: int, *, what: str, timeout: float = 15.0) -> None:
+        """Return once ``address:port`` accepts a connection from host ``host``; raise RuntimeError naming
+        ``what`` after ``timeout`` seconds."""
+        probe = (
+            "import socket, sys, time\n"
+            f"deadline = time.monotonic() + {timeout}\n"
+            "while time.monotonic() < deadline:\n"
+            "    try:\n"
+            f"        socket.create_connection(({address!r}, {port}), 1).close(); sys.exit(0)\n"
+            "    except OSError: time.sleep(0.1)\n"
+            "sys.exit(1)\n"
+        )
+        if self.run(host, [sys.executable, "-c", probe], timeout=timeout + 30).returncode != 0:
+            raise RuntimeError(
+                f"{what} did not start listening on {address}:{port} (seen from {self.members[host].name}) "
+                f"within {timeout:g} s"
+            )
 
     def pids(self, host: int) -> list[int]:
         """The processes running on host ``host``."""

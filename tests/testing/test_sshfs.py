@@ -1,13 +1,20 @@
-"""The delay proxy of the slow-file-system benchmark: release-time scheduling and a loopback relay."""
+"""A folder served over sshfs from a storage host of a cluster in a box: the delay proxy's release-time
+scheduling and loopback relay (no root needed), and a real mount over a shaped link (root)."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
+from pathlib import Path
 
 import pytest
 
-from kaisoku.bench.netfs import DelayLine, serve_proxy
+from kaisoku.testing.cluster import ClusterBox, Link, unavailable_reason
+from kaisoku.testing.sshfs import DelayLine, SshfsMount, serve_proxy
+from kaisoku.testing.sshfs import unavailable_reason as sshfs_unavailable_reason
+
+MOUNT_REASON = unavailable_reason() or sshfs_unavailable_reason()
 
 
 def test_each_chunk_is_held_from_its_own_arrival() -> None:
@@ -66,3 +73,29 @@ def test_proxy_relays_a_stream_intact_in_both_directions() -> None:
             received += chunk
         sender.join(10)
     assert bytes(received) == payload
+
+
+@pytest.mark.skipif(MOUNT_REASON is not None, reason=MOUNT_REASON or "")
+@pytest.mark.timeout(180)
+def test_served_folder_reads_through_the_shaped_link_and_nothing_is_left(tmp_path: Path) -> None:
+    served = tmp_path / "served"
+    (served / "sub").mkdir(parents=True)
+    payload = bytes(range(256)) * 2048  # 512 KiB
+    (served / "sub" / "data.bin").write_bytes(payload)
+    with ClusterBox(2) as box, SshfsMount(box, served, storage=1, client=0) as share:
+        box.reshape(1, Link(rate_mbit=300, queue_ms=20))
+        share.remount(0.001)
+        seen = share.path(served / "sub" / "data.bin")
+        assert seen.parent.parent == share.mount and seen.read_bytes() == payload
+        with pytest.raises(OSError):
+            (share.mount / "new").write_bytes(b"x")  # mounted read-only
+        # The bytes came from the storage host's eth0, through its token bucket at the asked rate.
+        stats = box.run(1, ["tc", "-s", "qdisc", "show", "dev", "eth0"]).stdout
+        assert "300Mbit" in stats and "latency 20ms" in stats.replace("lat ", "latency ")
+        sent = int(stats.split("Sent ")[1].split()[0])
+        assert sent > len(payload)
+        share.remount(0.0)  # a new delay: the proxy restarts and the folder is mounted again
+        assert seen.read_bytes() == payload
+    assert box.leftovers() == []
+    mounts = subprocess.run(["cat", "/proc/mounts"], capture_output=True, text=True).stdout
+    assert str(share.mount) not in mounts
