@@ -113,6 +113,7 @@ def test_steps_unknown_until_an_image_folder_is_opened() -> None:
 def test_total_steps_span_the_epochs_and_max_steps_only_stops_early() -> None:
     plan = _plan(_cfg(train__epochs=1.5, train__max_steps=4))
     assert plan.total_steps(7) == (11, 4)
+    assert _plan(_cfg(train__epochs=0.01)).total_steps(10) == (1, 1)  # at least one step
 
 
 def test_plan_without_a_world_checks_what_it_can() -> None:

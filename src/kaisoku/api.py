@@ -58,12 +58,12 @@ def fit(
     try:
         validate(cfg)
         parts = user_parts(cfg, UserParts(model=model, train_data=data, val_data=val_data, loss=loss))
-        plan_run(cfg, WorldShape(world.world_size, world.local_world_size), parts)  # refuse before training
+        plan = plan_run(cfg, WorldShape(world.world_size, world.local_world_size), parts)  # refuse here
     except KaisokuError as error:
         if world.is_main:  # every rank refuses alike; one says so
             print(f"kaisoku: error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(error.exit_code) from None
-    return run_training(cfg, parts=parts)
+    return run_training(cfg, parts=parts, plan=plan)
 
 
 def launch(main: Callable[[], Any], *, nproc: int = 0, max_restarts: int = 0) -> Any:

@@ -146,7 +146,7 @@ def cmd_train(argv: Sequence[str]) -> int:
         print(plan.describe())
         return 0
     if inside_torchrun() or inside_slurm_step() or plan.world.world_size == 1:
-        run_training(cfg)
+        run_training(cfg, parts=parts, plan=plan)  # this process is the rank: nothing is loaded twice
         return 0
     return train_on_local_ranks(cfg, plan.world.ranks_per_node)
 

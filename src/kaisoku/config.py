@@ -313,6 +313,7 @@ def validate(cfg: Config) -> None:
         (0 < cfg.optim.kfac.stat_fraction <= 1, "optim.kfac.stat_fraction must be in (0, 1]"),
         (0 <= cfg.optim.kfac.overhead_target < 1, "optim.kfac.overhead_target must be in [0, 1)"),
         (cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps must be >= 0"),
+        (cfg.precision.history >= 1, f"precision.history must be >= 1 (got {cfg.precision.history})"),
     ]
     for ok, message in checks:
         if not ok:

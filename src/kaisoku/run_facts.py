@@ -198,8 +198,15 @@ def describe_model(cfg: Config, data: DataFacts, parts: UserParts | None = None)
     else:
         # Built only to count its blocks and name its layers: nothing is initialised, so init warnings
         # (e.g. a zero-class head while the index is unreadable) say nothing about the run.
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        try:
+            with torch.device("meta"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = make_model(cfg, spec, parts)
+        except ConfigError:
+            if parts is None or parts.model is None:
+                raise
+            # A factory that computes with real tensors (e.g. reads a value) cannot run on the meta
+            # device; built for real instead, its own errors still say what failed.
             model = make_model(cfg, spec, parts)
     try:
         count: int | None = len(ordered_blocks(model))
@@ -228,7 +235,8 @@ def plan_run(cfg: Config, world: WorldShape | int | None = None, parts: UserPart
     """
     shape = WorldShape(world, world) if isinstance(world, int) else world
     data = describe_data(cfg, parts)
-    return resolve(cfg, shape, data, describe_model(cfg, data, parts))
+    own_loss = parts is not None and parts.loss is not None
+    return resolve(cfg, shape, data, describe_model(cfg, data, parts), own_loss=own_loss)
 
 
 def check_config(

@@ -189,8 +189,11 @@ class RunPlan:
 # Resolve: pure.
 
 
-def resolve(cfg: Config, world: WorldShape | None, data: DataFacts, model: ModelFacts) -> RunPlan:
-    """The :class:`RunPlan` of ``cfg`` on ``world`` (None: not known yet) for this data and model.
+def resolve(
+    cfg: Config, world: WorldShape | None, data: DataFacts, model: ModelFacts, *, own_loss: bool = False
+) -> RunPlan:
+    """The :class:`RunPlan` of ``cfg`` on ``world`` (None: not known yet) for this data and model;
+    ``own_loss``: the user gave a loss from Python (``train.loss`` names it otherwise).
 
     Pure: every value comes from the arguments. One-line ConfigError for settings that cannot work together.
     """
@@ -226,7 +229,7 @@ def resolve(cfg: Config, world: WorldShape | None, data: DataFacts, model: Model
         micro_batch = max(1, rank_batch // cfg.train.grad_accum)
     loss: LossName = (
         "user"
-        if ":" in cfg.train.loss
+        if own_loss or ":" in cfg.train.loss
         else ("mse" if (cfg.train.loss == "mse" or (cfg.train.loss == "auto" and data.task == "regression"))
               else "cross-entropy")
     )  # fmt: skip

@@ -14,7 +14,7 @@ from kaisoku.distributed.layout import ParallelLayout
 from kaisoku.engine.checkpoint import CheckpointManager
 from kaisoku.engine.metrics import MetricsLogger
 from kaisoku.engine.step import DataParallelStep, MicroBatches, Precision
-from kaisoku.engine.trainer import Trainer, TrainSettings, steps_for
+from kaisoku.engine.trainer import Trainer, TrainSettings
 
 
 class ListSampler:
@@ -93,12 +93,6 @@ def _data_parallel_engine(model: nn.Module) -> DataParallelStep:
         loss_fn=nn.CrossEntropyLoss(),
         precision=Precision("fp32", torch.device("cpu")),
     )
-
-
-def test_steps_for_rounds_up_epochs_and_caps_at_max_steps() -> None:
-    assert steps_for(1.5, 10, 0) == 15
-    assert steps_for(0.01, 10, 0) == 1
-    assert steps_for(3, 10, 7) == 7
 
 
 def test_fit_runs_every_step_validates_and_checkpoints_each_epoch(tmp_path: Path) -> None:

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import default_collate
 
 from kaisoku.config import Config, to_dict
 from kaisoku.data.loading.loader import ShardLoader
@@ -28,7 +27,7 @@ from kaisoku.distributed.pipeline import HybridOptions
 from kaisoku.distributed.sharding import shard_model, shard_norm_reducer
 from kaisoku.engine.checkpoint import CheckpointManager
 from kaisoku.engine.compile import compile_run, synthetic_batch
-from kaisoku.engine.data_build import DataParts, build_data
+from kaisoku.engine.data_build import DataParts, build_data, user_collate
 from kaisoku.engine.divergence import NonFiniteGuard
 from kaisoku.engine.hybrid import HybridStep
 from kaisoku.engine.metrics import MetricsLogger
@@ -51,7 +50,14 @@ def user_parts(cfg: Config, parts: UserParts | None = None) -> UserParts:
     """The user's parts: those given from Python, completed by those ``cfg`` names by import path."""
     given = parts or UserParts()
     check_user_parts(given)
-    return given.merged(parts_from_config(cfg.model.name, cfg.data.dataset, cfg.train.loss))
+    # Only what was not given is loaded: a module is imported, a dataset factory called, once.
+    return given.merged(
+        parts_from_config(
+            cfg.model.name if given.model is None else "",
+            cfg.data.dataset if given.train_data is None else "",
+            cfg.train.loss if given.loss is None else "auto",
+        )
+    )
 
 
 def build_loss(plan: RunPlan, parts: UserParts) -> LossFn:
@@ -59,8 +65,16 @@ def build_loss(plan: RunPlan, parts: UserParts) -> LossFn:
     if parts.loss is not None:
         return parts.loss
     if plan.loss == "mse":
-        return nn.MSELoss()
+        return mse_to_outputs
     return nn.CrossEntropyLoss(label_smoothing=plan.label_smoothing)
+
+
+def mse_to_outputs(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean squared error with the targets taken in the outputs' shape and dtype: a dataset of scalar
+    targets against a model's ``[B, 1]`` outputs must not broadcast to ``[B, B]``."""
+    if targets.numel() == outputs.numel():
+        targets = targets.reshape(outputs.shape)
+    return nn.functional.mse_loss(outputs, targets.to(outputs.dtype))
 
 
 def example_batch(plan: RunPlan, device: torch.device, parts: UserParts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +84,7 @@ def example_batch(plan: RunPlan, device: torch.device, parts: UserParts) -> tupl
     if parts.train_data is not None:
         data = parts.train_data
         samples = [data[i % len(data)] for i in range(plan.micro_batch)]
-        inputs, targets = default_collate(samples)
+        inputs, targets = user_collate(samples)
         return inputs.to(device), targets.to(device)
     shape = plan.memory_input_shape
     if plan.task == "regression":
@@ -281,16 +295,22 @@ def build_hybrid_engine(
 
 
 def build_trainer(
-    cfg: Config, world: env.World, *, parts: UserParts | None = None, resume: str = ""
+    cfg: Config,
+    world: env.World,
+    *,
+    parts: UserParts | None = None,
+    plan: RunPlan | None = None,
+    resume: str = "",
 ) -> Trainer:
     """Every part of the run, built from its plan and wired; the process group is joined on the way.
 
     ``parts`` are the user's own model, dataset and loss given from Python (import paths in ``cfg`` fill in
-    the rest). Joining the group starts first, in the background (``dist.eager_init``), and overlaps
+    the rest); ``plan``, where the caller resolved it on this world already. Joining the group starts first, in the background (``dist.eager_init``), and overlaps
     reading the data and building the model.
     """
     parts = user_parts(cfg, parts)
-    plan = plan_run(cfg, WorldShape(world.world_size, world.local_world_size), parts)
+    if plan is None or plan.world != WorldShape(world.world_size, world.local_world_size):
+        plan = plan_run(cfg, WorldShape(world.world_size, world.local_world_size), parts)
     device = env.pick_device(cfg.train.device, world)
     pg_init = env.ProcessGroupInit(world, device, cfg.dist.timeout, background=cfg.dist.eager_init)
     build_start = time.perf_counter()
@@ -336,9 +356,10 @@ def build_trainer(
     make_scheduler = functools.partial(
         build_scheduler, cfg=cfg.sched, steps_per_epoch=steps_per_epoch, total_steps=horizon
     )
-    guard = NonFiniteGuard(built.model, device, every_step=cfg.train.on_nonfinite == "skip")
     engine: StepEngine
+    guard: NonFiniteGuard
     if plan.hybrid:
+        guard = NonFiniteGuard(built.model, device, every_step=cfg.train.on_nonfinite == "skip")
         engine = build_hybrid_engine(
             plan, built, data, world, loss_fn=loss_fn, make_scheduler=make_scheduler, device=device
         )
@@ -348,6 +369,7 @@ def build_trainer(
         )
         engine, guard = sharded, sharded.guard  # the guard watches the shards that replaced the weights
     else:
+        guard = NonFiniteGuard(built.model, device, every_step=cfg.train.on_nonfinite == "skip")
         engine = build_data_parallel_engine(
             plan,
             built,

@@ -85,6 +85,22 @@ class SampledLoader:
         """Nothing to release: the DataLoader's workers end with it."""
 
 
+def user_collate(samples: list[Any]) -> Any:
+    """torch's default collate, with floating tensors in torch's default dtype (a dataset of float64 numpy
+    arrays trains a float32 model)."""
+    batch = default_collate(samples)
+    dtype = torch.get_default_dtype()
+
+    def cast(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+            return value.to(dtype)
+        if isinstance(value, (list, tuple)):
+            return type(value)(cast(v) for v in value)
+        return value
+
+    return cast(batch)
+
+
 class KeyedDataset(Dataset):
     """A user's map-style dataset addressed by the sampler's ``(epoch, index)`` keys (the epoch is unused:
     the user's dataset does its own augmentation)."""
@@ -158,8 +174,8 @@ def build_data(
         val_loader = None
         if parts.val_data is not None:
             val_sampler = ShardedEvalSampler(len(parts.val_data), **val_args)
-            val_loader = _loader(KeyedDataset(parts.val_data), val_sampler, workers, device, default_collate)
-        loader = _loader(train, KeyedMicroBatches(sampler), workers, device, default_collate)
+            val_loader = _loader(KeyedDataset(parts.val_data), val_sampler, workers, device, user_collate)
+        loader = _loader(train, KeyedMicroBatches(sampler), workers, device, user_collate)
         return DataParts(train=SampledLoader(loader, sampler), val_loader=val_loader)
     root = dataset_root(cfg)
     train_spec = AugmentSpec(size=cfg.data.image_size, train=True, scale=(cfg.data.crop_scale_min, 1.0))

@@ -32,6 +32,7 @@ from kaisoku.engine.trainer import Trainer
 from kaisoku.errors import KaisokuError
 from kaisoku.fsutil import atomic_write_text
 from kaisoku.parts import UserParts
+from kaisoku.run_plan import RunPlan
 
 log = logging.getLogger("kaisoku.engine.run")
 
@@ -117,11 +118,16 @@ def train_on_local_ranks(cfg: Config, nproc: int, *, rank_entry: Sequence[str] |
 
 
 def run_training(
-    cfg: Config, *, parts: UserParts | None = None, customize: Callable[[Trainer], None] | None = None
+    cfg: Config,
+    *,
+    parts: UserParts | None = None,
+    plan: RunPlan | None = None,
+    customize: Callable[[Trainer], None] | None = None,
 ) -> dict[str, Any]:
     """Train on the world this process belongs to; rank 0 prints the summary. Returns the summary.
 
-    ``parts`` are the user's own model, dataset and loss given from Python. ``customize`` is called with
+    ``parts`` are the user's own model, dataset and loss given from Python, ``plan`` the run plan where the
+    caller resolved it on this world already. ``customize`` is called with
     the built trainer before training starts (tests use it to hook into a run, e.g. to pause a checkpoint
     write).
     """
@@ -163,7 +169,7 @@ def run_training(
             on_nonfinite=cfg.train.on_nonfinite,
             resume=cfg.checkpoint.resume,
         ):
-            trainer = build_trainer(cfg, world, parts=parts, resume=resume)
+            trainer = build_trainer(cfg, world, parts=parts, plan=plan, resume=resume)
             built.append(trainer)
             ram_tier = _claim_ram_tier(trainer, cfg, world)
             finished = False

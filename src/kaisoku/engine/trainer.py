@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -583,9 +582,3 @@ def step_seed(seed: int, step: int) -> int:
     """The torch seed of optimizer step ``step`` of a run seeded ``seed`` (a hash, not seed + step, so that
     runs of neighbouring seeds do not share steps' numbers)."""
     return int(np.random.SeedSequence([seed, step, 0x57E9]).generate_state(1, np.uint64)[0] >> 1)
-
-
-def steps_for(epochs: float, steps_per_epoch: int, max_steps: int) -> int:
-    """Total optimizer steps for ``epochs`` (fractional allowed), capped by ``max_steps`` when > 0."""
-    total = max(1, math.ceil(epochs * steps_per_epoch))
-    return min(total, max_steps) if max_steps > 0 else total
