@@ -22,6 +22,7 @@ import torch
 from kaisoku.config import Config
 from kaisoku.data.loading.transforms import IMAGENET_MEAN, IMAGENET_STD
 from kaisoku.data.node_cache.staging import CacheSettings
+from kaisoku.data.order.sampler import check_batch_split
 from kaisoku.data.order.shuffle import ShuffleSpec
 from kaisoku.distributed.layout import ParallelLayout, SwitchSchedule, check_parallel
 from kaisoku.distributed.mesh import DATA_MESH_DIM_NAMES, data_mesh_shape
@@ -199,13 +200,13 @@ def resolve(
     """
     _check_data_against_model(cfg, data, model)
     hybrid = cfg.parallel.hybrid
-    schedule = _check_parallel(cfg, world, model)
+    shuffle, cache = _data_settings(cfg, world, data)
+    schedule = _check_parallel(cfg, world, model, shuffle)
     _check_memory(cfg, model, hybrid)
     precision_path = _check_precision(cfg, model)
     conflict = compile_conflict(cfg.train.compile, hybrid=hybrid, kfac=cfg.optim.kfac.enabled)
     if conflict:
         raise ConfigError(conflict)
-    shuffle, cache = _data_settings(cfg, world, data)
     size = world.world_size if world is not None else 1
     mesh_shape = _check_shard(cfg, world, hybrid)
     # One rank has nothing to shard over: it runs (and checkpoints) as plain data parallelism.
@@ -333,7 +334,9 @@ def _block_count(model: ModelFacts, what: str) -> int:
     return model.block_count
 
 
-def _check_parallel(cfg: Config, world: WorldShape | None, model: ModelFacts) -> SwitchSchedule | None:
+def _check_parallel(
+    cfg: Config, world: WorldShape | None, model: ModelFacts, shuffle: ShuffleSpec
+) -> SwitchSchedule | None:
     """``parallel.*`` on the world (degrees, batch splits, stages against blocks) and what it excludes."""
     par = cfg.parallel
     what = "parallel.switch" if par.switch.strip() else f"parallel.pp {par.pp}"
@@ -351,17 +354,7 @@ def _check_parallel(cfg: Config, world: WorldShape | None, model: ModelFacts) ->
     )
     if not par.hybrid:
         if world is not None:
-            size, batch = world.world_size, cfg.data.global_batch
-            if batch % size:
-                raise ConfigError(
-                    f"data.global_batch {batch} is not a multiple of the world size {size}: {batch} / {size} "
-                    f"= {batch / size:g} samples per rank; choose a global batch divisible by the number of ranks"
-                )
-            if (batch // size) % cfg.train.grad_accum:
-                raise ConfigError(
-                    f"train.grad_accum {cfg.train.grad_accum} does not divide the {batch // size} samples per "
-                    f"rank (data.global_batch {batch} / {size} ranks)"
-                )
+            check_batch_split(cfg.data.global_batch, world.world_size, shuffle, cfg.train.grad_accum)
         return schedule
     unsupported = [
         (cfg.train.grad_accum != 1, f"train.grad_accum {cfg.train.grad_accum}: use parallel.microbatches"),

@@ -219,7 +219,7 @@ def test_start_step_skips_exactly_the_consumed_steps() -> None:
 def test_sampler_rejects_batches_that_do_not_divide() -> None:
     with pytest.raises(KaisokuError, match="not a multiple of the world size 3"):
         _folder_sampler(100, 16, rank=0, world=3, seed=0)
-    with pytest.raises(KaisokuError, match="not divisible by train.grad_accum 3"):
+    with pytest.raises(KaisokuError, match="train.grad_accum 3 does not divide the 8 samples per rank"):
         _folder_sampler(100, 16, rank=0, world=2, seed=0, accum=3)
     with pytest.raises(KaisokuError, match="fewer than one global batch"):
         _folder_sampler(10, 16, rank=0, world=2, seed=0)

@@ -29,25 +29,33 @@ from typing import Any
 import numpy as np
 
 from kaisoku.data.order.shuffle import PartialPlan, ShuffleSpec, as_shard_sizes, epoch_order, partial_plan
-from kaisoku.errors import KaisokuError
+from kaisoku.errors import ConfigError, KaisokuError
 
 STATE_VERSION = 1
 
 
-def check_world(global_batch: int, world_size: int, spec: ShuffleSpec) -> None:
-    """Raise a KaisokuError unless the global batch splits evenly over ranks (and nodes for partial)."""
+def check_batch_split(global_batch: int, world_size: int, spec: ShuffleSpec, micro_batches: int = 1) -> None:
+    """One-line ConfigError unless the global batch splits evenly over the ranks (and over the nodes for the
+    partial shuffle) and each rank's part into ``micro_batches`` (``train.grad_accum``). The one home of
+    these checks: the run plan calls it before launch, the sampler keeps it as its invariant."""
     if world_size < 1:
-        raise KaisokuError(f"world size must be >= 1, got {world_size}")
+        raise ConfigError(f"world size must be >= 1, got {world_size}")
     if global_batch < 1 or global_batch % world_size:
-        raise KaisokuError(
-            f"global batch {global_batch} is not a multiple of the world size {world_size}: "
+        raise ConfigError(
+            f"data.global_batch {global_batch} is not a multiple of the world size {world_size}: "
             f"{global_batch} / {world_size} = {global_batch / world_size:g} samples per rank; "
             "choose a global batch divisible by the number of ranks"
         )
     if spec.depends_on_nodes and world_size % spec.num_nodes:
-        raise KaisokuError(
+        raise ConfigError(
             f"world size {world_size} is not a multiple of the node count {spec.num_nodes}; "
             "every node needs the same number of ranks for the partial shuffle"
+        )
+    per_rank = global_batch // world_size
+    if micro_batches < 1 or per_rank % micro_batches:
+        raise ConfigError(
+            f"train.grad_accum {micro_batches} does not divide the {per_rank} samples per rank "
+            f"(data.global_batch {global_batch} / {world_size} ranks)"
         )
 
 
@@ -127,14 +135,9 @@ class EpochSampler:
         self._lock = threading.RLock()
 
     def _check_shard(self, shard: int, shards: int) -> None:
-        check_world(self.global_batch, shards, self.spec)
+        check_batch_split(self.global_batch, shards, self.spec, self.micro_batches)
         if not 0 <= shard < shards:
             raise KaisokuError(f"rank {shard} is outside world size {shards}")
-        if self.micro_batches < 1 or (self.global_batch // shards) % self.micro_batches:
-            raise KaisokuError(
-                f"per-rank batch {self.global_batch // shards} is not divisible by "
-                f"train.grad_accum {self.micro_batches}"
-            )
 
     def set_shard(self, shard: int, shards: int) -> None:
         """Read data-parallel shard ``shard`` of ``shards`` from the next pass on (a parallel layout switch).
