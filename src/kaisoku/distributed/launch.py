@@ -218,14 +218,32 @@ def launch_local(
     torchrun restarts them (``max_restarts``). Ctrl-C (SIGINT or SIGTERM to the launcher) stops the
     ranks and returns ``interrupted``.
     """
+    cores = len(os.sched_getaffinity(0))
+    # torchrun hands its ranks this process's environment: set what they need for the launch only, so that
+    # a caller that goes on (a benchmark, a test process) does not pass the launcher's marks to later runs.
+    saved_environ = dict(os.environ)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
+    os.environ.update(env or {})
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    try:
+        return _run_torchrun(entry, nproc, max_restarts, on_restart, rendezvous)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_environ)
+
+
+def _run_torchrun(
+    entry: Sequence[str],
+    nproc: int,
+    max_restarts: int,
+    on_restart: Callable[[tuple[RankFailure, ...], int], None] | None,
+    rendezvous: Rendezvous | None,
+) -> LaunchResult:
+    """torchrun's parser and ``run`` in this process (see :func:`launch_local`)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    cores = len(os.sched_getaffinity(0))
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
-    os.environ.update(env or {})
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     torchrun_args = get_args_parser().parse_args(
         [
             *(rendezvous.torchrun_args() if rendezvous is not None else ["--standalone"]),
