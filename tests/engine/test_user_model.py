@@ -50,6 +50,15 @@ def _args(run_dir: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def _succeeds(
+    args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """Run ``args`` to its end; it must exit 0 (its stderr's end is the failure message)."""
+    result = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 def _final_state(run_dir: Path) -> dict:
     newest = CheckpointManager(run_dir / "checkpoints", keep=3).latest_valid()
     assert newest is not None
@@ -72,15 +81,7 @@ def test_user_model_trains_with_each_feature_and_resumes_exactly_after_a_kill(
 ) -> None:
     env = train_env(USER_NET_MNIST=str(mnist_path))
     extra = FEATURES[feature]
-    whole = subprocess.run(
-        _args(tmp_path / "whole", *extra),
-        cwd=USER_FILES,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert whole.returncode == 0, whole.stderr[-3000:]
+    whole = _succeeds(_args(tmp_path / "whole", *extra), USER_FILES, env, 300)
     assert "val_accuracy" in whole.stdout
     # The same run, a rank killed once the step-4 checkpoint exists (the data holds until then)...
     held = tmp_path / "killed" / "checkpoints" / "step-00000004.pt"
@@ -97,15 +98,7 @@ def test_user_model_trains_with_each_feature_and_resumes_exactly_after_a_kill(
     assert proc.returncode != 0
     assert "rank 1" in stderr, stderr[-2000:]
     # ... then resumed: the same weights as the run that never stopped.
-    resumed = subprocess.run(
-        _args(tmp_path / "killed", *extra, "--resume", "auto"),
-        cwd=USER_FILES,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = _succeeds(_args(tmp_path / "killed", *extra, "--resume", "auto"), USER_FILES, env, 300)
     assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
     _assert_same_weights(_final_state(tmp_path / "whole"), _final_state(tmp_path / "killed"))
 
@@ -164,25 +157,14 @@ def test_user_loss_and_python_fit_on_two_ranks(tmp_path: Path, mnist_path: Path)
         USER_NET_MNIST=str(mnist_path),
         PYTHONPATH=os.pathsep.join([str(USER_FILES), os.environ.get("PYTHONPATH", "")]),
     )
-    python = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "python")],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
-    assert python.returncode == 0, python.stderr[-3000:]
+    python = _succeeds([sys.executable, str(script), str(tmp_path / "python")], tmp_path, env, 240)
     assert f"fit steps {STEPS}" in python.stdout
-    cli = subprocess.run(
+    _succeeds(
         [*_args(tmp_path / "cli", "--train.loss", "user_net:smooth_loss"), "--checkpoint.every-steps", "0"],
-        cwd=USER_FILES,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
+        USER_FILES,
+        env,
+        240,
     )
-    assert cli.returncode == 0, cli.stderr[-3000:]
     _assert_same_weights(_final_state(tmp_path / "python"), _final_state(tmp_path / "cli"))
 
 
