@@ -19,6 +19,7 @@ report) around the given parts, so they get every feature the zoo's models get.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,10 @@ from kaisoku.errors import KaisokuError
 from kaisoku.parts import LossFn, ModelSource, UserParts
 from kaisoku.run_facts import plan_run
 from kaisoku.run_plan import WorldShape
+
+#: How long a rank that refuses silently waits for rank 0 (which says why) to exit first: the launcher
+#: (torchrun's agent, ``srun --kill-on-bad-exit``) stops it sooner; bounded for launchers that do not.
+_SILENT_RANK_WAIT_S = 60.0
 
 
 def fit(
@@ -62,6 +67,10 @@ def fit(
     except KaisokuError as error:
         if world.is_main:  # every rank refuses alike; one says so
             print(f"kaisoku: error: {error}", file=sys.stderr, flush=True)
+        elif world.world_size > 1:
+            # The launcher stops every rank once one exits; a silent rank that exited first would stop rank 0
+            # before its line was printed and be reported as the cause. It waits for rank 0 to go first.
+            time.sleep(_SILENT_RANK_WAIT_S)
         raise SystemExit(error.exit_code) from None
     return run_training(cfg, parts=parts, plan=plan)
 
