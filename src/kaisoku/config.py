@@ -35,6 +35,7 @@ from kaisoku.config_sections import (
     PrecisionConfig,
     SchedConfig,
     TrainConfig,
+    kfac_setting_error,
 )
 from kaisoku.errors import ConfigError
 from kaisoku.units import parse_bytes
@@ -305,19 +306,15 @@ def validate(cfg: Config) -> None:
         (cfg.dist.timeout > 0, "dist.timeout must be > 0 seconds"),
         (cfg.dist.max_restarts >= 0, "dist.max_restarts must be >= 0"),
         (cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1"),
-        (cfg.optim.kfac.factor_update_steps >= 1, "optim.kfac.factor_update_steps must be >= 1"),
-        (cfg.optim.kfac.inv_update_steps >= 1, "optim.kfac.inv_update_steps must be >= 1"),
-        (cfg.optim.kfac.damping >= 0, "optim.kfac.damping must be >= 0"),
-        (0 <= cfg.optim.kfac.factor_decay < 1, "optim.kfac.factor_decay must be in [0, 1)"),
-        (cfg.optim.kfac.kl_clip >= 0, "optim.kfac.kl_clip must be >= 0"),
-        (0 < cfg.optim.kfac.stat_fraction <= 1, "optim.kfac.stat_fraction must be in (0, 1]"),
-        (0 <= cfg.optim.kfac.overhead_target < 1, "optim.kfac.overhead_target must be in [0, 1)"),
         (cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps must be >= 0"),
         (cfg.precision.history >= 1, f"precision.history must be >= 1 (got {cfg.precision.history})"),
     ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    kfac_error = kfac_setting_error(dataclasses.asdict(cfg.optim.kfac), "optim.kfac.")
+    if kfac_error:
+        raise ConfigError(kfac_error)
     losses = ("auto", "cross-entropy", "mse")
     if cfg.train.loss not in losses and ":" not in cfg.train.loss:
         raise ConfigError(

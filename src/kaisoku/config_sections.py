@@ -6,6 +6,8 @@ into :class:`~kaisoku.config.Config` and reads, writes and validates it.
 
 from __future__ import annotations
 
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -111,6 +113,44 @@ class KFACConfig:
     """0: factor_update_steps and inv_update_steps as given; in (0, 1): after 5 warm-up steps (4 timed), choose them (powers of two up to 128) so that K-FAC's amortised overhead (statistics, decompositions, preconditioning, measured; slowest rank) stays under this fraction of the plain step time; chosen once, logged, the same on every rank, kept on resume."""
     factor_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the Linear/conv factor statistics (matrix-product inputs and sums) and of the stored factors: float32, or bfloat16 (half the factor memory; much faster statistics on CPUs with AVX512-BF16/AMX and on GPUs, about 0.5% relative error); blending and decompositions stay float32."""
+
+
+#: K-FAC's numeric settings and the range each must lie in: the one home of these checks, applied to the
+#: config's ``optim.kfac.*`` and to the values :class:`~kaisoku.optim.kfac.KFAC` is given from Python.
+KFAC_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "factor_update_steps": (lambda v: v >= 1, ">= 1"),
+    "inv_update_steps": (lambda v: v >= 1, ">= 1"),
+    "damping": (lambda v: v >= 0, ">= 0"),
+    "factor_decay": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "kl_clip": (lambda v: v >= 0, ">= 0 (0: off)"),
+    "bucket_cap_mb": (lambda v: v > 0, "> 0"),
+    "stat_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "overhead_target": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "grad_accum": (lambda v: v >= 1, ">= 1"),
+    "max_interval": (lambda v: v >= 1, ">= 1"),
+}
+
+
+def kfac_choices(name: str) -> tuple[str, ...]:
+    """The values K-FAC's setting ``name`` (method, memory_mode, bn, factor_dtype) may take: its config
+    field's ``Literal``, so the config and the constructor accept the same words."""
+    return typing.get_args(typing.get_type_hints(KFACConfig)[name])
+
+
+def kfac_setting_error(values: Mapping[str, object], prefix: str) -> str:
+    """The first K-FAC setting in ``values`` outside its range or choices, as one line naming it with
+    ``prefix`` (``"optim.kfac."`` or ``"K-FAC "``); "" when all are valid. Values that are not plain
+    numbers or words (schedules given as functions) are the caller's to check."""
+    for name, value in values.items():
+        if name in KFAC_RANGES and isinstance(value, (int, float)) and not isinstance(value, bool):
+            accepts, expected = KFAC_RANGES[name]
+            if not accepts(value):
+                return f"{prefix}{name} must be {expected}, got {value}"
+        elif isinstance(value, str):
+            choices = kfac_choices(name)
+            if value not in choices:
+                return f"{prefix}{name} must be one of {', '.join(choices)}, got '{value}'"
+    return ""
 
 
 @dataclass(kw_only=True)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from kaisoku.config import Config, validate
 from kaisoku.errors import ConfigError
 from kaisoku.optim.kfac import KFAC, KFACWarning
 
@@ -306,3 +307,36 @@ def test_preconditioning_reads_no_scalar_per_layer() -> None:
     # On a GPU every read of a device scalar drains the queue; per-layer checks made it two per layer. The
     # one read left (a tolist of the stacked flags and KL term) is not an aten op on the CPU.
     assert _host_syncs_of_a_precondition_step(2) == _host_syncs_of_a_precondition_step(12) == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "bad"),
+    [
+        ("factor_update_steps", 0),
+        ("inv_update_steps", 0),
+        ("damping", -1.0),
+        ("factor_decay", 1.0),
+        ("kl_clip", -0.5),
+        ("bucket_cap_mb", 0.0),
+        ("stat_fraction", 0.0),
+        ("overhead_target", 1.0),
+        ("method", "newton"),
+        ("bn", "full"),
+    ],
+)
+def test_config_and_constructor_refuse_a_setting_alike(name: str, bad: object) -> None:
+    """One home for K-FAC's ranges and choices: ``optim.kfac.<name>`` in the config and ``KFAC(<name>=)``
+    from Python are refused with the same words."""
+    cfg = Config()
+    setattr(cfg.optim.kfac, name, bad)
+    with pytest.raises(ConfigError) as from_config:
+        validate(cfg)
+    with pytest.raises(ConfigError) as from_python:
+        KFAC(nn.Linear(4, 2), lr=0.1, **{name: bad})
+    assert str(from_config.value) == f"optim.kfac.{str(from_python.value).removeprefix('K-FAC ')}"
+    assert name in str(from_python.value)
+
+
+def test_kl_clip_zero_switches_clipping_off_as_in_the_config() -> None:
+    """``kl_clip=0`` means no KL clipping (the config's meaning), so no learning rate is needed."""
+    assert KFAC(nn.Linear(4, 2), kl_clip=0.0).kl_clip is None

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from kaisoku.config_sections import kfac_choices, kfac_setting_error
 from kaisoku.errors import ConfigError
 from kaisoku.optim.kfac.assignment import decomposition_cost, greedy_assignment, rank_loads
 from kaisoku.optim.kfac.checkpoint import load_state, save_state
@@ -45,9 +46,9 @@ logger = logging.getLogger("kaisoku.optim.kfac")
 IntSchedule = int | Callable[[int], int]
 FloatSchedule = float | Callable[[int], float]
 
-METHODS = ("eigen", "inverse")
-MEMORY_MODES = ("full", "owner")
-BN_MODES = ("diagonal", "unit", "skip")
+METHODS = kfac_choices("method")
+MEMORY_MODES = kfac_choices("memory_mode")
+BN_MODES = kfac_choices("bn")
 #: ``factor_dtype`` name -> dtype of the Kronecker factors' statistics and storage.
 FACTOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -98,7 +99,7 @@ class KFAC:
         inv_update_steps: recompute the decompositions every this many steps (int or function).
         damping: Tikhonov damping (float or function of the step).
         factor_decay: weight of the old running average in each factor update, in [0, 1).
-        kl_clip: scale the update down so that ``lr^2 * sum(v . g) <= kl_clip``; None disables.
+        kl_clip: scale the update down so that ``lr^2 * sum(v . g) <= kl_clip``; None or 0 disables.
         lr: the base optimizer's learning rate for KL clipping: a float, a function of the step, or the
             optimizer itself (its first param group's ``lr`` is read at every step).
         method: ``"eigen"`` or ``"inverse"``.
@@ -156,34 +157,32 @@ class KFAC:
         max_interval: int = MAX_INTERVAL,
         factor_dtype: str = "float32",
     ) -> None:
-        if method not in METHODS:
-            raise ConfigError(f"K-FAC method must be one of {', '.join(METHODS)}, got '{method}'")
-        if memory_mode not in MEMORY_MODES:
-            raise ConfigError(
-                f"K-FAC memory_mode must be one of {', '.join(MEMORY_MODES)}, got '{memory_mode}'"
-            )
-        if bn not in BN_MODES:
-            raise ConfigError(f"K-FAC bn must be one of {', '.join(BN_MODES)}, got '{bn}'")
-        if kl_clip is not None and not kl_clip > 0:
-            raise ConfigError(f"K-FAC kl_clip must be positive or None, got {kl_clip}")
+        problem = kfac_setting_error(
+            {
+                "factor_update_steps": factor_update_steps,
+                "inv_update_steps": inv_update_steps,
+                "damping": damping,
+                "factor_decay": factor_decay,
+                "kl_clip": kl_clip,
+                "method": method,
+                "memory_mode": memory_mode,
+                "bn": bn,
+                "grad_accum": grad_accum,
+                "bucket_cap_mb": bucket_cap_mb,
+                "stat_fraction": stat_fraction,
+                "overhead_target": overhead_target,
+                "max_interval": max_interval,
+                "factor_dtype": factor_dtype,
+            },
+            "K-FAC ",
+        )
+        if problem:
+            raise ConfigError(problem)
+        kl_clip = kl_clip or None  # 0 switches clipping off, as in the config
         if kl_clip is not None and lr is None:
             raise ConfigError(
                 f"K-FAC KL clipping (kl_clip={kl_clip}) needs the learning rate: pass lr= a float, a "
                 "function of the step or the base optimizer, or kl_clip=None"
-            )
-        if grad_accum < 1:
-            raise ConfigError(f"K-FAC grad_accum must be at least 1, got {grad_accum}")
-        if bucket_cap_mb <= 0:
-            raise ConfigError(f"K-FAC bucket_cap_mb must be positive, got {bucket_cap_mb}")
-        if not 0 < stat_fraction <= 1:
-            raise ConfigError(f"K-FAC stat_fraction must be in (0, 1], got {stat_fraction}")
-        if factor_dtype not in FACTOR_DTYPES:
-            raise ConfigError(
-                f"K-FAC factor_dtype must be one of {', '.join(FACTOR_DTYPES)}, got '{factor_dtype}'"
-            )
-        if not 0 <= overhead_target < 1 or max_interval < 1:
-            raise ConfigError(
-                f"K-FAC overhead_target must be in [0, 1) and max_interval >= 1, got {overhead_target}, {max_interval}"
             )
         self.factor_update_steps = factor_update_steps
         self.inv_update_steps = inv_update_steps
