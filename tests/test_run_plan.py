@@ -103,6 +103,22 @@ def test_shuffle_and_cache_settings_and_nodes() -> None:
     assert plan.world.num_nodes == 2
 
 
+def test_data_read_sample_by_sample_takes_the_unpacked_global_order() -> None:
+    folder = DataFacts(source="folder", num_classes=3, root="/f", description="f")
+    assert _plan(_cfg(), data=folder).shuffle.unpacked
+    assert not _plan(_cfg()).shuffle.unpacked  # packed data keeps its own stream's order
+
+
+def test_training_shard_and_validation_batch_of_each_rank() -> None:
+    plan = _plan(_cfg(data__global_batch=64), world=4)
+    assert [plan.train_shard(rank) for rank in range(4)] == [(0, 4), (1, 4), (2, 4), (3, 4)]
+    assert plan.val_batch == 16
+    hybrid = _plan(_cfg(data__global_batch=64, parallel__pp=2), world=4)
+    # Both stages of a pipeline read their replica's order; validation still shards over all 4 ranks.
+    assert [hybrid.train_shard(rank) for rank in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert hybrid.val_batch == 16
+
+
 def test_steps_unknown_until_an_image_folder_is_opened() -> None:
     data = DataFacts(source="folder", num_classes=3, root="/f", description="f")
     plan = _plan(_cfg(), data=data)

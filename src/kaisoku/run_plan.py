@@ -25,7 +25,7 @@ from kaisoku.data.node_cache.staging import CacheSettings
 from kaisoku.data.order.sampler import check_batch_split
 from kaisoku.data.order.shuffle import ShuffleSpec
 from kaisoku.distributed.layout import ParallelLayout, SwitchSchedule, check_parallel
-from kaisoku.distributed.mesh import DATA_MESH_DIM_NAMES, data_mesh_shape
+from kaisoku.distributed.mesh import DATA_MESH_DIM_NAMES, data_mesh_shape, rank_coordinates
 from kaisoku.engine.compile import compile_conflict
 from kaisoku.errors import ConfigError
 from kaisoku.memory.checkpointing import parse_block_list
@@ -118,6 +118,9 @@ class RunPlan:
     """Samples a rank (data parallel) or a replica (hybrid, first layout) handles per optimizer step."""
     micro_batch: int
     """Samples per forward pass: rank batch / train.grad_accum, or replica batch / parallel.microbatches."""
+    val_batch: int
+    """Validation samples per rank and batch: the global batch over every rank (validation shards over all
+    ranks, whatever the layout)."""
     layout_micro_batches: dict[ParallelLayout, int]
     """Hybrid: the micro-batch of each layout of the schedule (a switch changes the replica count)."""
     sample_shape: tuple[int, ...]
@@ -145,6 +148,14 @@ class RunPlan:
         train = self.config.train
         horizon = max(1, math.ceil(train.epochs * steps_per_epoch))
         return horizon, (min(horizon, train.max_steps) if train.max_steps > 0 else horizon)
+
+    def train_shard(self, rank: int) -> tuple[int, int]:
+        """``(shard, shards)`` of the training order ``rank`` reads: ``(rank, world size)``, or under pipeline
+        stages ``(replica index, replicas)`` of the first layout (every stage of a replica reads alike)."""
+        if self.hybrid and self.schedule is not None:
+            first = self.schedule.layout_at(0)
+            return rank_coordinates(rank, first, self.world.ranks_per_node)[0], first.dp
+        return rank, self.world.world_size
 
     @property
     def engine_name(self) -> str:
@@ -252,6 +263,7 @@ def resolve(
         model=model,
         rank_batch=rank_batch,
         micro_batch=micro_batch,
+        val_batch=max(1, cfg.data.global_batch // size),
         layout_micro_batches=layout_micro_batches,
         sample_shape=sample_shape,
         task=data.task,
@@ -299,6 +311,10 @@ def _data_settings(
         raise ConfigError(
             f"data.shuffle {d.shuffle}, data.local_cache and data.ram_capacity need a packed dataset; {where}"
         )
+    if data.source in ("folder", "generated-shapes", "user"):
+        shuffle = ShuffleSpec(
+            unpacked=True
+        )  # samples read one by one: the global order keyed by (seed, epoch)
     return shuffle, cache
 
 

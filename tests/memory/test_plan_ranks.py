@@ -77,7 +77,7 @@ def _too_small_on_rank_zero(rank: int) -> str:
             model,
             memory,
             device=torch.device("cpu"),
-            batch=synthetic_batch((4, 8), 2, torch.device("cpu"), seed=0),
+            example=lambda: synthetic_batch((4, 8), 2, torch.device("cpu"), seed=0),
             agree=rank_zero_value,
         )
     return str(info.value)

@@ -127,7 +127,7 @@ class Setup:
             net,
             settings,
             device=self.device,
-            batch=synthetic_batch((batch, 3, image, image), 10, self.device, seed=0),
+            example=lambda: synthetic_batch((batch, 3, image, image), 10, self.device, seed=0),
         )
         torch.manual_seed(seed + 1)  # the same state after setup whether or not the planner profiled
         optimizer = build_optimizer(net, OptimConfig(name="sgd", lr=0.05, momentum=0.9))

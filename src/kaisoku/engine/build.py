@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from kaisoku.config import Config, to_dict
 from kaisoku.data.loading.loader import ShardLoader
 from kaisoku.distributed import env
 from kaisoku.distributed.data_parallel import BucketPlan, wrap_ddp
-from kaisoku.distributed.mesh import build_data_mesh, rank_coordinates
+from kaisoku.distributed.mesh import build_data_mesh
 from kaisoku.distributed.pipeline import HybridOptions
 from kaisoku.distributed.sharding import shard_model, shard_norm_reducer
 from kaisoku.engine.checkpoint import CheckpointManager
@@ -112,7 +113,7 @@ def build_model_for(
     parts: UserParts,
     *,
     loss_fn: LossFn,
-    example: tuple[torch.Tensor, torch.Tensor],
+    example: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     agree: Any = None,
 ) -> BuiltModel:
     """The model of ``plan`` (the user's or the zoo's) on ``device``, in its precision, with the memory
@@ -138,7 +139,7 @@ def build_model_for(
             model,
             cfg.memory,
             device=device,
-            batch=example,
+            example=example,
             loss_fn=loss_fn,
             autocast=precision.autocast,
             agree=agree,
@@ -185,7 +186,7 @@ def build_data_parallel_engine(
     make_scheduler: Any,
     guard: NonFiniteGuard,
     device: torch.device,
-    example: tuple[torch.Tensor, torch.Tensor],
+    example: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     announce: bool,
 ) -> DataParallelStep:
     """DDP (with the bucket plan and compression), compile, update-in-backward, K-FAC: the data-parallel step."""
@@ -210,7 +211,7 @@ def build_data_parallel_engine(
         optimizer,
         loss_fn=loss_fn,
         autocast=built.precision.autocast,
-        batch=example,
+        example=example,
         announce=announce,
     )
     if cfg.memory.update_in_backward:
@@ -315,16 +316,10 @@ def build_trainer(
     pg_init = env.ProcessGroupInit(world, device, cfg.dist.timeout, background=cfg.dist.eager_init)
     build_start = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
-    shard = None
-    if plan.hybrid:
-        assert plan.schedule is not None
-        # Under hybrid parallelism the data order is the replica's: (dp index, dp).
-        first = plan.schedule.layout_at(0)
-        dp_index, _ = rank_coordinates(world.rank, first, world.local_world_size)
-        shard = (dp_index, first.dp)
-    data = build_data(plan, world, device, parts, shard=shard)
+    data = build_data(plan, world, device, parts)
     loss_fn = build_loss(plan, parts)
-    example = example_batch(plan, device, parts)
+    # Made only when the compile trial or the memory profile runs (a user's dataset may be slow to read).
+    example = functools.cache(functools.partial(example_batch, plan, device, parts))
     built = build_model_for(
         plan,
         world,

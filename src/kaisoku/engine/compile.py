@@ -252,13 +252,13 @@ def compile_run(
     *,
     loss_fn: Callable[[Tensor, Tensor], Tensor],
     autocast: Callable[[], Any],
-    batch: tuple[Tensor, Tensor],
+    example: Callable[[], tuple[Tensor, Tensor]],
     announce: bool,
 ) -> CompileReport:
     """:func:`compile_for_training` for ``kaisoku train``.
 
-    ``batch`` is the trial batch (one rank's micro-batch of the run's shape); every rank takes rank 0's choice; the
-    main rank (``announce``) prints the one line.
+    ``example`` gives the trial batch (one rank's micro-batch of the run's shape), called only when a mode
+    is set; every rank takes rank 0's choice; the main rank (``announce``) prints the one line.
     """
     if mode == "off":
         return CompileReport(mode="off")
@@ -267,7 +267,7 @@ def compile_run(
         model,
         optimizer,
         loss_fn=loss_fn,
-        batch=batch,
+        batch=example(),
         autocast=autocast,
         trial_model=getattr(model, "module", model),
         decide=lambda choice: str(env.broadcast_object(choice)),

@@ -21,7 +21,6 @@ from kaisoku.data.loading.folder import FolderSampler, ImageFolderDataset, Shard
 from kaisoku.data.loading.loader import ShardLoader, packed_splits
 from kaisoku.data.loading.transforms import AugmentSpec, collate
 from kaisoku.data.order.sampler import EpochSampler, KeyedMicroBatches
-from kaisoku.data.order.shuffle import ShuffleSpec
 from kaisoku.data.shards.format import read_index
 from kaisoku.distributed import env
 from kaisoku.engine.trainer import TrainData
@@ -142,22 +141,16 @@ def build_data(
     world: env.World,
     device: torch.device,
     parts: UserParts | None = None,
-    *,
-    shard: tuple[int, int] | None = None,
 ) -> DataParts:
     """The training data and validation loader of ``plan``: the user's dataset, a packed dataset (shuffles,
     cache, exchange) or an image-folder tree.
 
-    ``shard`` is ``(shard, shards)`` for the training order when it is not ``(rank, world size)``: the
-    replica index and count under hybrid parallelism. Validation always shards over every rank.
+    The training order is the plan's shard of this rank (:meth:`RunPlan.train_shard`); validation always
+    shards over every rank.
     """
     cfg = plan.config
-    train_rank, train_world = shard if shard is not None else (world.rank, world.world_size)
-    val_args = {
-        "rank": world.rank,
-        "world_size": world.world_size,
-        "batch_size": max(1, cfg.data.global_batch // world.world_size),
-    }
+    train_rank, train_world = plan.train_shard(world.rank)
+    val_args = {"rank": world.rank, "world_size": world.world_size, "batch_size": plan.val_batch}
     workers = cfg.data.workers
     if plan.data.source == "user":
         assert parts is not None and parts.train_data is not None
@@ -167,7 +160,7 @@ def build_data(
             rank=train_rank,
             world_size=train_world,
             seed=cfg.train.seed,
-            shuffle=ShuffleSpec(unpacked=True),
+            shuffle=plan.shuffle,
             micro_batches=cfg.train.grad_accum,
         )
         train = KeyedDataset(parts.train_data)
@@ -193,7 +186,7 @@ def build_data(
             rank=train_rank,
             world_size=train_world,
             seed=cfg.train.seed,
-            shuffle=ShuffleSpec(unpacked=True),
+            shuffle=plan.shuffle,
             micro_batches=cfg.train.grad_accum,
         )
         train_set = ImageFolderDataset(train_files, train_spec, seed=cfg.train.seed, counters=counters)
@@ -243,7 +236,7 @@ def build_data(
     val_loader = None
     if val_set is not None:
         val_loader = _loader(val_set, ShardedEvalSampler(len(val_set), **val_args), workers, device, collate)
-    return DataParts(train=shard_loader(plan, world, device, train_set, shard=shard), val_loader=val_loader)
+    return DataParts(train=shard_loader(plan, world, device, train_set), val_loader=val_loader)
 
 
 def shard_loader(
@@ -251,8 +244,6 @@ def shard_loader(
     world: env.World,
     device: torch.device,
     train_set: ShardedDataset,
-    *,
-    shard: tuple[int, int] | None = None,
 ) -> ShardLoader:
     """The training :class:`ShardLoader` of ``plan`` over ``train_set`` (shuffle, cache, batch path, workers).
 
@@ -260,7 +251,7 @@ def shard_loader(
     rows iterate exactly what training iterates.
     """
     cfg = plan.config
-    train_rank, train_world = shard if shard is not None else (world.rank, world.world_size)
+    train_rank, train_world = plan.train_shard(world.rank)
     return ShardLoader(
         train_set,
         global_batch=cfg.data.global_batch,

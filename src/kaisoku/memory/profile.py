@@ -324,13 +324,16 @@ def setup_memory(
     memory: Any,
     *,
     device: torch.device,
-    batch: tuple[torch.Tensor, torch.Tensor],
+    example: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     autocast: Callable[[], Any] = contextlib.nullcontext,
     agree: Callable[[Any], Any] | None = None,
     ranks: int = 1,
 ) -> MemorySetup:
     """Apply ``memory`` (a :class:`~kaisoku.config_sections.MemoryConfig`) to the bare ``model``.
+
+    ``example`` gives one batch of the run's shape (inputs, targets); it is called only when memory.budget
+    profiles a step.
 
     ``agree``: under data parallelism, a collective that returns rank 0's value on every rank
     (:func:`kaisoku.distributed.env.rank_zero_value`); every rank calls it once with memory.budget, and
@@ -361,7 +364,7 @@ def setup_memory(
         budget = parse_budget(memory.budget, total)
         profile = profile_step(
             model,
-            batch=batch,
+            batch=example(),
             device=device,
             loss_fn=loss_fn,
             autocast=autocast,
