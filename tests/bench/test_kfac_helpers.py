@@ -32,15 +32,38 @@ def test_tune_extends_the_grid_until_the_best_is_inside() -> None:
         tried.append(value)
         return -abs(value - 0.025)
 
-    best, points, inside = tune((0.1, 0.2, 0.4), score, extend_limit=3)
+    best, points, inside = tune((0.1, 0.2, 0.4), score, extend_limit=4)
     assert best == pytest.approx(0.025) and inside
-    assert tried == pytest.approx([0.1, 0.2, 0.4, 0.05, 0.025, 0.0125])
+    # Down to the best, then one more point below its lower neighbour: the fall-off needs two points.
+    assert tried == pytest.approx([0.1, 0.2, 0.4, 0.05, 0.025, 0.0125, 0.00625])
     assert [p["setting"] for p in points] == sorted(tried)
+    # One extension fewer: the best has a tried lower neighbour but no second point below it.
+    assert tune((0.1, 0.2, 0.4), score, extend_limit=3)[2] is False
 
 
 def test_tune_reports_an_edge_it_could_not_leave() -> None:
     best, points, inside = tune((1.0, 2.0), lambda value: value, extend_limit=1)
     assert (best, inside, len(points)) == (4.0, False, 3)
+    single = tune((1.0,), lambda value: value, extend_limit=4)
+    assert single[2] is False and len(single[1]) == 1  # one point is never "inside"
+
+
+def test_tune_does_not_take_a_single_non_monotone_point_for_an_interior_optimum() -> None:
+    # The Nesterov-at-64x shape: 0.8 -> 60%, 1.6 -> 77%, 3.2 and up diverge; the true best is far lower.
+    curve = {0.025: 0.90, 0.05: 0.93, 0.1: 0.96, 0.2: 0.95, 0.4: 0.90, 0.8: 0.60, 1.6: 0.77}
+    tried: list[float] = []
+
+    def score(value: float) -> float:
+        tried.append(value)
+        return curve.get(value, -1.0)
+
+    best, _, inside = tune((0.8, 1.6, 3.2), score, extend_limit=8, failed_score=-1.0)
+    assert best == pytest.approx(0.1) and inside
+    assert 0.4 in tried and 0.025 in tried  # the lower side was explored past the single dip at 0.8
+    assert all(value <= 3.2 for value in tried)  # a diverged higher neighbour settles its side
+    # Without the room to look lower, the same grid is reported on an edge, not inside.
+    best, _, inside = tune((0.8, 1.6, 3.2), score, extend_limit=0, failed_score=-1.0)
+    assert (best, inside) == (1.6, False)
 
 
 def test_crossing_is_interpolated_between_evaluations() -> None:

@@ -5,12 +5,24 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from kaisoku.bench import RESULTS, main, resolve_out
-from kaisoku.bench.common import goal, tree_state, unmet_goals
+from kaisoku.bench.common import (
+    checked_data_path,
+    dirt,
+    end_run,
+    goal,
+    start_run,
+    tree_state,
+    unmet_goals,
+    write_result,
+)
+from kaisoku.bench.goals import ONE_MEASUREMENT, bootstrap_interval, paired_iqr
+from kaisoku.bench.imagesets import data_root
 from kaisoku.bench.parallel_mnist import mnist_goals
 from kaisoku.errors import ConfigError
 from tests.bench.schema import RECORDED, check_record, fingerprint
@@ -22,11 +34,59 @@ LARGEBATCH_GOALS = GOALS["largebatch"]
 # ------------------------------------------------------------------------------------------------ goal()
 
 
-def test_goal_compares_value_with_target() -> None:
-    assert goal(1.02, "<= 1.03") == {"value": 1.02, "goal": "<= 1.03", "met": True}
-    assert goal(1.04, "<= 1.03")["met"] is False
-    assert goal(1.0, "> 1.0")["met"] is False
-    assert goal(12.0, ">= 10", spread=[11.0, 13.0])["spread"] == [11.0, 13.0]
+def test_goal_of_one_measurement_is_unmet_unless_exact() -> None:
+    single = goal(1.02, "<= 1.03")
+    assert single["met"] is False and single["reason"] == ONE_MEASUREMENT and single["value"] == 1.02
+    assert goal(28.0, "<= 30", exact="a count of kernels") == {
+        "value": 28.0,
+        "goal": "<= 30",
+        "met": True,
+        "exact": "a count of kernels",
+    }
+    assert goal(31.0, "<= 30", exact="a count")["met"] is False
+    assert goal(1.0, "> 1.0", exact="a count")["met"] is False
+    assert goal(12.0, ">= 10", exact="a count", spread=[11.0, 13.0])["spread"] == [11.0, 13.0]
+
+
+def test_goal_inside_its_interval_is_unmet_within_noise() -> None:
+    # The median (1.27) clears 1.25, but the spread of the repeats straddles it.
+    entry = goal(None, ">= 1.25", samples=[1.27, 1.30, 1.21, 1.28, 1.23])
+    assert entry["value"] == pytest.approx(1.27)
+    assert entry["met"] is False
+    low, high = entry["interval"]
+    assert low < 1.25 < high
+    assert entry["reason"] == f"within noise: [{low:.4g}, {high:.4g}] vs >= 1.25"
+    assert "bootstrap" in entry["interval_method"] and "seed 0" in entry["interval_method"]
+    assert entry["samples"] == [1.27, 1.3, 1.21, 1.28, 1.23]
+    # A measured interval (a paired IQR) is judged the same way.
+    iqr = goal(1.011, "<= 1.03", interval=paired_iqr([1.0, 1.01, 1.02, 1.04, 1.05]))
+    assert iqr["met"] is False and iqr["reason"].startswith("within noise")
+    assert iqr["interval_method"] == "paired IQR over 5 rounds"
+
+
+def test_goal_clearing_its_whole_interval_is_met_and_reproducible() -> None:
+    samples = [1.37, 1.40, 1.42, 1.38, 1.41]
+    entry = goal(None, ">= 1.25", samples=samples)
+    assert entry["met"] is True and "reason" not in entry
+    assert 1.25 < entry["interval"][0] <= entry["value"] <= entry["interval"][1]
+    assert goal(None, ">= 1.25", samples=samples) == entry  # fixed resampling seed: the same interval
+    below = goal(None, "<= 1.03", samples=[0.98, 0.99, 1.0, 0.99])
+    assert below["met"] is True and below["interval"][1] <= 1.03
+    # Wholly on the wrong side: plainly missed, not noise.
+    missed = goal(None, ">= 1.25", samples=[1.0, 1.02, 1.01])
+    assert missed["met"] is False and "reason" not in missed
+
+
+def test_signed_gap_keeps_its_sign_with_its_interval() -> None:
+    # Per-seed gaps +0.16, -0.48, +0.32: the mean is 0.0 by cancellation, not by agreement.
+    mixed = goal(None, ">= -0.2", samples=[0.16, -0.48, 0.32], statistic="mean", unit="seeds")
+    assert mixed["value"] == pytest.approx(0.0, abs=1e-9)
+    assert mixed["interval"][0] < -0.2 < mixed["interval"][1]
+    assert mixed["met"] is False and mixed["reason"].startswith("within noise")
+    worse = goal(None, ">= -0.5", samples=[-1.1, -0.9, -1.0], statistic="mean", unit="seeds")
+    assert worse["value"] == pytest.approx(-1.0) and worse["interval"][1] < 0
+    assert worse["met"] is False
+    assert "over 3 seeds" in worse["interval_method"]
 
 
 def test_goal_with_a_reason_is_never_met() -> None:
@@ -38,6 +98,8 @@ def test_goal_with_a_reason_is_never_met() -> None:
         "met": False,
         "reason": "peer missing",
     }
+    cleared = goal(None, ">= 1.25", samples=[2.0, 2.1, 2.2], reason="peer not at its best")
+    assert cleared["met"] is False and cleared["reason"] == "peer not at its best"
 
 
 def test_goal_without_value_needs_a_reason() -> None:
@@ -45,7 +107,18 @@ def test_goal_without_value_needs_a_reason() -> None:
         goal(None, "<= 1.0")
     entry = goal(math.nan, "<= 1.0")
     assert entry["value"] is None and entry["met"] is False and "nan" in entry["reason"]
-    assert unmet_goals({"a": goal(1.0, "<= 2"), "b": entry}) == ["b"]
+    assert unmet_goals({"a": goal(1.0, "<= 2", exact="a count"), "b": entry}) == ["b"]
+    partial = goal(None, ">= 1.0", samples=[2.0, math.nan, 2.1])
+    assert partial["met"] is False and "1 of 3 repeats" in partial["reason"]
+
+
+def test_bootstrap_interval_is_keyed_by_a_fixed_seed_only() -> None:
+    first = bootstrap_interval([1.0, 2.0, 3.0, 4.0, 5.0], "mean")
+    assert first == bootstrap_interval([1.0, 2.0, 3.0, 4.0, 5.0], "mean")
+    assert 1.0 <= first.low < 3.0 < first.high <= 5.0
+    # Three samples: about their whole range, so a figure they straddle is never settled.
+    three = bootstrap_interval([0.9, 1.0, 1.1])
+    assert (three.low, three.high) == (0.9, 1.1)
 
 
 def test_mnist_goals_stay_in_the_summary_whatever_happens() -> None:
@@ -56,6 +129,7 @@ def test_mnist_goals_stay_in_the_summary_whatever_happens() -> None:
     def config(accuracy: float, std: float, speed: float) -> dict[str, object]:
         return {
             "accuracy_mean": accuracy,
+            "accuracy_per_seed": [accuracy - 0.001, accuracy, accuracy + 0.001],
             "accuracy_std": std,
             "speed_vs_dp_median": speed,
             "speed_vs_dp_range": [speed - 0.1, speed + 0.1],
@@ -70,8 +144,13 @@ def test_mnist_goals_stay_in_the_summary_whatever_happens() -> None:
         }
     )
     assert faster["switch_accuracy_gap_in_dp_stds"]["met"] is True
-    assert faster["switch_speedup_vs_dp"]["met"] is True
+    assert faster["switch_speedup_vs_dp"]["met"] is False
+    assert faster["switch_speedup_vs_dp"]["reason"].startswith("within noise")
+    # Switch half a dp std below dp-only in every seed: a signed gap of -0.5, inside the goal.
+    assert faster["switch_accuracy_gap_in_dp_stds"]["value"] == pytest.approx(-0.5)
     assert faster["switch_speedup_vs_dp"]["per_seed"] == pytest.approx([1.0, 1.1, 1.2])
+    # Per-seed ratios 1.0 / 1.1 / 1.2: their interval reaches 1.0 itself, so "> 1.0" is not settled.
+    assert faster["switch_speedup_vs_dp"]["interval"][0] == pytest.approx(1.0)
     slower = mnist_goals(
         {
             "dp-only": config(0.98, 0.01, 1.0),
@@ -83,6 +162,7 @@ def test_mnist_goals_stay_in_the_summary_whatever_happens() -> None:
     assert "not applicable" in slower["switch_speedup_vs_dp"]["reason"]
     assert slower["switch_speedup_vs_dp"]["value"] == 1.1
     assert slower["switch_accuracy_gap_in_dp_stds"]["met"] is False
+    assert slower["switch_accuracy_gap_in_dp_stds"]["value"] == pytest.approx(-8.0)
 
 
 # ---------------------------------------------------------------------------------------- tree and out
@@ -100,6 +180,9 @@ def repo(tmp_path: Path) -> Path:
     _git(root, "config", "user.email", "bench@example.invalid")
     _git(root, "config", "user.name", "bench")
     (root / "code.py").write_text("x = 1\n")
+    (root / "src" / "pkg").mkdir(parents=True)
+    (root / "src" / "pkg" / "module.py").write_text("v = 1\n")
+    (root / ".gitignore").write_text("__pycache__/\n")
     (root / RESULTS).mkdir(parents=True)
     (root / RESULTS / "engine.json").write_text("{}\n")
     _git(root, "add", ".")
@@ -107,16 +190,37 @@ def repo(tmp_path: Path) -> Path:
     return root
 
 
-def test_tree_state_sees_tracked_changes_only(repo: Path) -> None:
+def test_tree_state_sees_tracked_changes_and_new_source_files(repo: Path) -> None:
     clean = tree_state(repo)
     assert not clean.dirty and clean.diff_sha256 is None and len(clean.commit) == 40
-    (repo / "untracked.txt").write_text("scratch\n")
+    (repo / "untracked.txt").write_text("scratch\n")  # outside the code folders: not measured code
     assert not tree_state(repo).dirty
     (repo / "code.py").write_text("x = 2\n")
     dirty = tree_state(repo)
     assert dirty.dirty and dirty.commit == clean.commit and len(dirty.diff_sha256 or "") == 64
     (repo / "code.py").write_text("x = 3\n")
     assert tree_state(repo).diff_sha256 != dirty.diff_sha256
+
+
+def test_a_new_uncommitted_source_file_makes_the_tree_dirty(repo: Path) -> None:
+    (repo / "src" / "pkg" / "new_module.py").write_text("y = 1\n")
+    state = tree_state(repo)
+    assert state.dirty and state.untracked == ["src/pkg/new_module.py"]
+    assert "src/pkg/new_module.py" in dirt(state)
+    first_hash = state.diff_sha256
+    (repo / "src" / "pkg" / "new_module.py").write_text("y = 2\n")
+    assert tree_state(repo).diff_sha256 != first_hash  # the hash covers the new file's bytes
+    with pytest.raises(ConfigError, match="new source files"):
+        resolve_out("", quick=False, allow_dirty=False, repo=repo, name="engine")
+    (repo / "src" / "pkg" / "new_module.py").unlink()
+    (repo / "benchmarks" / "helper.py").write_text("z = 1\n")  # benchmark code beside the records
+    assert tree_state(repo).untracked == ["benchmarks/helper.py"]
+    (repo / "benchmarks" / "helper.py").unlink()
+    # Ignored files (caches, build outputs) and new records are not code.
+    (repo / "src" / "pkg" / "__pycache__").mkdir()
+    (repo / "src" / "pkg" / "__pycache__" / "code.cpython.pyc").write_bytes(b"\0")
+    (repo / RESULTS / "new.json").write_text("{}\n")
+    assert not tree_state(repo).dirty
 
 
 def test_a_recorded_result_does_not_make_the_next_recording_dirty(repo: Path) -> None:
@@ -152,6 +256,40 @@ def test_quick_run_goes_to_a_fresh_temporary_folder_never_to_results(repo: Path)
         resolve_out(str(repo / RESULTS), quick=True, allow_dirty=True, repo=repo, name="engine")
     first.rmdir()
     second.rmdir()
+
+
+def test_data_and_out_paths_inside_results_are_refused(
+    repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(repo)  # the working directory's benchmarks/results is protected too
+    inside = repo / RESULTS / "data"
+    with pytest.raises(ConfigError, match="lies inside benchmarks/results"):
+        checked_data_path(inside, "$KAISOKU_BENCH_DATA")
+    assert checked_data_path(tmp_path / "data", "$KAISOKU_BENCH_DATA") == tmp_path / "data"
+    monkeypatch.setenv("KAISOKU_BENCH_DATA", str(inside))
+    with pytest.raises(ConfigError, match=r"\$KAISOKU_BENCH_DATA"):
+        data_root()
+    monkeypatch.setenv("KAISOKU_BENCH_DATA", str(tmp_path / "sets"))
+    assert data_root() == tmp_path / "sets"
+    # A benchmark's run called directly writes through write_result, which obeys the same rules.
+    start_run(["engine", "--quick"], quick=True)
+    try:
+        with pytest.raises(ConfigError, match="--quick never writes"):
+            write_result("engine", repo / RESULTS, {}, [], quick=True)
+        assert not (repo / RESULTS / "engine.json").read_text().strip("{}\n")
+        written = write_result("engine", tmp_path / "out", {}, [], quick=True)
+        assert written["quick"] is True and (tmp_path / "out" / "engine.json").is_file()
+    finally:
+        end_run()
+    monkeypatch.setenv("TMPDIR", str(repo / RESULTS))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read $TMPDIR again
+    try:
+        with pytest.raises(ConfigError, match="temporary folder"):
+            start_run(["engine"], quick=False)
+    finally:
+        monkeypatch.delenv("TMPDIR")
+        tempfile.tempdir = None
+        end_run()
 
 
 # -------------------------------------------------------------------------------------------- main()

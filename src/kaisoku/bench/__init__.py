@@ -16,7 +16,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kaisoku.bench.common import end_run, source_repo, start_run, tree_state, unmet_goals
+from kaisoku.bench.common import (
+    RESULTS,
+    check_out_dir,
+    dirt,
+    end_run,
+    source_repo,
+    start_run,
+    unmet_goals,
+)
 from kaisoku.command_parser import CommandParser
 from kaisoku.errors import ConfigError
 
@@ -36,9 +44,6 @@ BENCHMARKS: dict[str, str] = {
     "vit": "kaisoku.bench.vit",
     "cosmoflow": "kaisoku.bench.cosmoflow",
 }
-
-#: Where recorded results live, relative to a checkout.
-RESULTS = Path("benchmarks") / "results"
 
 #: Benchmarks made of cases that ``--case`` may pick one of.
 CASES: dict[str, tuple[str, ...]] = {"kfac": ("mnist", "resnet10-shapes")}
@@ -90,39 +95,18 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def protected_dirs(repo: Path) -> list[Path]:
-    """The recorded-results folders: the checkout's and the working directory's ``benchmarks/results``."""
-    return list(dict.fromkeys([(repo / RESULTS).resolve(), (Path.cwd() / RESULTS).resolve()]))
-
-
-def _inside(path: Path, folders: Sequence[Path]) -> bool:
-    resolved = path.resolve()
-    return any(resolved == folder or folder in resolved.parents for folder in folders)
-
-
 def resolve_out(out: str, *, quick: bool, allow_dirty: bool, repo: Path, name: str) -> Path:
     """The folder a run writes to; ConfigError where the rules forbid it.
 
     A quick run writes to a new temporary folder unless ``out`` is given, and never into a recorded-results
     folder. A full run writes to ``benchmarks/results`` by default and refuses to record there from a
-    tree whose tracked files differ from the commit unless ``allow_dirty``.
+    tree whose code differs from the commit (changed tracked files, new source files) unless
+    ``allow_dirty`` (:func:`~kaisoku.bench.common.check_out_dir`).
     """
-    protected = protected_dirs(repo)
-    if quick:
-        if not out:
-            return Path(tempfile.mkdtemp(prefix=f"kaisoku-bench-{name}-"))
-        if _inside(Path(out), protected):
-            raise ConfigError(
-                f"kaisoku bench --quick never writes into {RESULTS}; pass another --out or none (a temporary folder)"
-            )
-        return Path(out)
+    if quick and not out:
+        return Path(tempfile.mkdtemp(prefix=f"kaisoku-bench-{name}-"))
     path = Path(out) if out else repo / RESULTS
-    if _inside(path, protected) and not allow_dirty:
-        if tree_state(repo).dirty:
-            raise ConfigError(
-                f"refusing to record into {RESULTS}: tracked files have uncommitted changes; commit them, "
-                "pass --out elsewhere, or --allow-dirty to record the diff's sha256"
-            )
+    check_out_dir(path, quick=quick, allow_dirty=allow_dirty, repo=repo)
     return path
 
 
@@ -150,10 +134,10 @@ def main(argv: Sequence[str]) -> int:
                 else f"kaisoku bench {args.name} has no cases"
             )
         )
-    info = start_run(argv, quick=args.quick, mnist=mnist, case=args.case)
+    info = start_run(argv, quick=args.quick, mnist=mnist, case=args.case, allow_dirty=args.allow_dirty)
     if info.tree.dirty:
         print(
-            f"kaisoku bench: the tree is dirty; recording diff sha256 {info.tree.diff_sha256}",
+            f"kaisoku bench: the tree is dirty ({dirt(info.tree)}); recording diff sha256 {info.tree.diff_sha256}",
             file=sys.stderr,
         )
     try:

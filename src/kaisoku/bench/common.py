@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import operator
 import os
 import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,45 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from kaisoku.bench.goals import goal as goal  # the benchmarks take goal entries from here
+from kaisoku.bench.goals import unmet_goals as unmet_goals
+from kaisoku.errors import ConfigError
 from kaisoku.fsutil import atomic_write_text
 
-_COMPARATORS: dict[str, Callable[[float, float], bool]] = {
-    "<=": operator.le,
-    ">=": operator.ge,
-    "<": operator.lt,
-    ">": operator.gt,
-}
-
-
-def goal(value: float | None, target: str, *, reason: str = "", **details: Any) -> dict[str, Any]:
-    """A summary entry ``{"value", "goal", "met"}``; ``target`` reads like ``"<= 1.03"``.
-
-    ``reason`` says why the goal is not met whatever the value (it could not be measured, or does not
-    apply here): the entry is then never met and carries the reason. A missing or non-finite value needs
-    one. ``details`` (spread, per-seed values, ...) are added to the entry as they are.
-    """
-    op_text, _, number = target.partition(" ")
-    compare = _COMPARATORS[op_text]
-    if value is not None and not np.isfinite(value):
-        reason = reason or f"the measured value was {value}"
-        value = None
-    if value is None and not reason:
-        raise ValueError(f"goal {target!r} has no value: say why in reason=")
-    met = not reason and value is not None and compare(float(value), float(number))
-    entry: dict[str, Any] = {
-        "value": None if value is None else round(float(value), 4),
-        "goal": target,
-        "met": bool(met),
-    }
-    if reason:
-        entry["reason"] = reason
-    entry.update(details)
-    return entry
-
-
-def unmet_goals(summary: dict[str, dict[str, Any]]) -> list[str]:
-    """The names of the summary's goals that are not met."""
-    return [name for name, entry in summary.items() if not entry.get("met")]
+#: Where recorded results live, relative to a checkout.
+RESULTS = Path("benchmarks") / "results"
 
 
 def median_iqr(values: Sequence[float]) -> tuple[float, float]:
@@ -93,11 +61,18 @@ def interleaved(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str,
 
 @dataclass
 class TreeState:
-    """The commit of a checkout and whether tracked files differ from it."""
+    """The commit of a checkout and whether its code differs from it (changed tracked files, or new
+    source files git does not ignore)."""
 
     commit: str
     dirty: bool
     diff_sha256: str | None = None
+    untracked: list[str] = field(default_factory=list)
+    """New, not ignored files under the measured code's folders (:data:`SOURCE_DIRS`)."""
+
+
+#: Where the measured code lives: a new file there that git does not ignore makes the tree dirty.
+SOURCE_DIRS = ("src", "benchmarks")
 
 
 def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
@@ -105,24 +80,92 @@ def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
 
 
 def tree_state(repo: Path) -> TreeState:
-    """``repo``'s HEAD commit, and for a tree whose tracked files changed the sha256 of ``git diff HEAD``.
+    """``repo``'s HEAD commit, and for a tree whose code changed the sha256 of ``git diff HEAD`` followed by
+    each untracked source file's path and bytes.
 
-    Recorded results (``benchmarks/results``) are outputs, not measured code: benchmarks recorded one
-    after another do not make the tree dirty for the next. Outside a git checkout the commit is
-    ``"unknown"`` and the tree counts as clean.
+    Code is every tracked file, and every untracked, not ignored file under :data:`SOURCE_DIRS` (a new
+    module the run imports is measured code). Recorded results (``benchmarks/results``) are outputs, not
+    measured code: benchmarks recorded one after another do not make the tree dirty for the next. Outside
+    a git checkout the commit is ``"unknown"`` and the tree counts as clean.
     """
-    outputs = ":(exclude)benchmarks/results"
+    outputs = f":(exclude){RESULTS.as_posix()}"
     try:
         commit = _git(repo, "rev-parse", "HEAD").stdout.decode().strip()
         status = _git(
             repo, "status", "--porcelain", "--untracked-files=no", "--", ".", outputs
         ).stdout.strip()
-        if not status:
+        untracked = sorted(
+            _git(repo, "ls-files", "-z", "--others", "--exclude-standard", "--", *SOURCE_DIRS, outputs)
+            .stdout.decode()
+            .split("\0")
+        )
+        untracked = [name for name in untracked if name]
+        if not status and not untracked:
             return TreeState(commit=commit, dirty=False)
-        diff = _git(repo, "diff", "HEAD", "--binary", "--", ".", outputs).stdout
-        return TreeState(commit=commit, dirty=True, diff_sha256=hashlib.sha256(diff).hexdigest())
+        digest = hashlib.sha256(_git(repo, "diff", "HEAD", "--binary", "--", ".", outputs).stdout)
+        for name in untracked:
+            digest.update(b"\0untracked\0" + name.encode() + b"\0")
+            try:
+                digest.update((repo / name).read_bytes())
+            except OSError:  # removed since the listing: its name still marks the tree
+                pass
+        return TreeState(commit=commit, dirty=True, diff_sha256=digest.hexdigest(), untracked=untracked)
     except (OSError, subprocess.SubprocessError):
         return TreeState(commit="unknown", dirty=False)
+
+
+def dirt(tree: TreeState) -> str:
+    """What makes ``tree`` dirty, in words ("" for a clean tree)."""
+    if not tree.dirty:
+        return ""
+    if not tree.untracked:
+        return "tracked files have uncommitted changes"
+    shown = ", ".join(tree.untracked[:3]) + (
+        f" and {len(tree.untracked) - 3} more" if len(tree.untracked) > 3 else ""
+    )
+    return f"uncommitted changes or new source files ({shown})"
+
+
+def check_out_dir(
+    path: Path, *, quick: bool, allow_dirty: bool, tree: TreeState | None = None, repo: Path | None = None
+) -> None:
+    """ConfigError where a record may not go to ``path``: a quick run never writes into a recorded-results
+    folder, and a full run records there only from a clean tree (``tree``, else ``repo``'s now) unless
+    ``allow_dirty``."""
+    repo = repo or source_repo()
+    if not inside_any(path, protected_dirs(repo)):
+        return
+    if quick:
+        raise ConfigError(
+            f"kaisoku bench --quick never writes into {RESULTS}; pass another --out or none (a temporary folder)"
+        )
+    tree = tree or tree_state(repo)
+    if tree.dirty and not allow_dirty:
+        raise ConfigError(
+            f"refusing to record into {RESULTS}: {dirt(tree)}; commit them, pass --out elsewhere, or "
+            "--allow-dirty to record the diff's sha256"
+        )
+
+
+def protected_dirs(repo: Path) -> list[Path]:
+    """The recorded-results folders: the checkout's and the working directory's ``benchmarks/results``."""
+    return list(dict.fromkeys([(repo / RESULTS).resolve(), (Path.cwd() / RESULTS).resolve()]))
+
+
+def inside_any(path: Path, folders: Sequence[Path]) -> bool:
+    """Whether ``path`` (resolved) is one of ``folders`` or lies under one."""
+    resolved = Path(path).expanduser().resolve()
+    return any(resolved == folder or folder in resolved.parents for folder in folders)
+
+
+def checked_data_path(path: Path, what: str) -> Path:
+    """``path`` where a benchmark keeps scratch or generated data; ConfigError when it lies inside a
+    recorded-results folder (data there would be mistaken for records, and records overwritten)."""
+    if inside_any(path, protected_dirs(source_repo())):
+        raise ConfigError(
+            f"{what} {path} lies inside {RESULTS}, which holds only records; point it elsewhere"
+        )
+    return Path(path)
 
 
 def source_repo() -> Path:
@@ -159,6 +202,8 @@ class RunInfo:
     via_cli: bool = True
     case: str = ""
     """``kaisoku bench --case``: the one case to run of a benchmark that has several ("" runs them all)."""
+    allow_dirty: bool = False
+    """``kaisoku bench --allow-dirty``: a record may go into ``benchmarks/results`` from a dirty tree."""
     started: float = field(default_factory=time.perf_counter)
     load_before: list[float] = field(default_factory=load_average)
 
@@ -171,14 +216,29 @@ _CURRENT: list[RunInfo] = []
 
 
 def start_run(
-    argv: Sequence[str], *, quick: bool, mnist: Path | None = None, via_cli: bool = True, case: str = ""
+    argv: Sequence[str],
+    *,
+    quick: bool,
+    mnist: Path | None = None,
+    via_cli: bool = True,
+    case: str = "",
+    allow_dirty: bool = False,
 ) -> RunInfo:
     """Mark the start of a run: the command line, the tree's state and the load average, now.
 
     ``argv``: the arguments of ``kaisoku bench`` (``via_cli``), else the process's whole command line.
+    ConfigError where the temporary folder, which holds every run's scratch data, lies inside
+    ``benchmarks/results``.
     """
+    checked_data_path(Path(tempfile.gettempdir()), "the temporary folder ($TMPDIR)")
     info = RunInfo(
-        argv=list(argv), quick=quick, tree=tree_state(source_repo()), mnist=mnist, via_cli=via_cli, case=case
+        argv=list(argv),
+        quick=quick,
+        tree=tree_state(source_repo()),
+        mnist=mnist,
+        via_cli=via_cli,
+        case=case,
+        allow_dirty=allow_dirty,
     )
     _CURRENT[:] = [info]
     return info
@@ -252,14 +312,20 @@ def write_result(
     notes: str = "",
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write ``<out_dir>/<name>.json`` atomically (with the run's provenance) and return the record."""
+    """Write ``<out_dir>/<name>.json`` atomically (with the run's provenance) and return the record.
+
+    ConfigError where the rules of :func:`check_out_dir` forbid ``out_dir``, checked here too, so that a
+    benchmark's ``run`` called directly obeys them as ``kaisoku bench`` does.
+    """
+    info = current_run(quick)
+    check_out_dir(out_dir, quick=quick, allow_dirty=info.allow_dirty, tree=info.tree)
     record: dict[str, Any] = {
         "summary": summary,
         "rows": rows,
         "quick": quick,
         "notes": notes,
         **(extra or {}),
-        **provenance(current_run(quick)),
+        **provenance(info),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / f"{name}.json", json.dumps(record, indent=2, default=str) + "\n")

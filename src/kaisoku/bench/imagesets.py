@@ -19,6 +19,7 @@ import numpy as np
 import simplejpeg
 import torch
 
+from kaisoku.bench.common import checked_data_path
 from kaisoku.config import Config
 from kaisoku.data.datagen import generate
 from kaisoku.data.loading.dataset import ImageLabelTransform, ShardedDataset
@@ -71,8 +72,12 @@ class ImageSet:
 
 
 def data_root() -> Path:
-    """Where generated sets and peer formats are kept between runs (regenerating costs minutes)."""
-    return Path(os.environ.get("KAISOKU_BENCH_DATA", Path(tempfile.gettempdir()) / "kaisoku-bench-loader"))
+    """Where generated sets and peer formats are kept between runs (regenerating costs minutes):
+    ``$KAISOKU_BENCH_DATA``, else a folder in the temporary folder; never inside ``benchmarks/results``."""
+    root = os.environ.get("KAISOKU_BENCH_DATA", "")
+    if root:
+        return checked_data_path(Path(root), "$KAISOKU_BENCH_DATA")
+    return checked_data_path(Path(tempfile.gettempdir()) / "kaisoku-bench-loader", "the temporary folder")
 
 
 def image_set(count: int, size: int, shard_bytes: str) -> ImageSet:

@@ -189,27 +189,56 @@ def first_crossing(curve: list[dict[str, float]], target: float) -> dict[str, fl
     return None
 
 
-def tune(grid: tuple[float, ...], score: Any, extend_limit: int) -> tuple[float, list[dict[str, Any]], bool]:
+def _side_settled(scores: dict[float, float], side: list[float], failed_score: float | None) -> bool:
+    """Whether one side of the best point shows the fall-off an interior optimum needs: its nearest tried
+    point failed (diverged), or it holds two tried points and the outermost scores no higher than the
+    nearest. One point alone is not enough: a single dip (a noisy or unstable run) next to the best says
+    nothing about the points beyond it."""
+    if not side:
+        return False
+    nearest, outermost = side[0], side[-1]
+    if failed_score is not None and scores[nearest] <= failed_score:
+        return True
+    return len(side) >= 2 and scores[outermost] <= scores[nearest]
+
+
+def tune(
+    grid: tuple[float, ...], score: Any, extend_limit: int, *, failed_score: float | None = None
+) -> tuple[float, list[dict[str, Any]], bool]:
     """The best setting of a log-spaced ``grid`` by ``score(setting)`` (higher is better).
 
-    While the best point is at an edge, one more point is added beyond it at the grid's ratio, up to
-    ``extend_limit`` times. Returns the best setting, every point tried, and whether the best is inside.
+    The best is inside the grid only when both of its sides are settled (:func:`_side_settled`): a tried
+    lower and a tried higher neighbour, each side falling off over two points (or its nearest point
+    scoring ``failed_score`` or less: diverged). While a side is not, one more point is added beyond that
+    side's edge at the grid's ratio (the side with fewer points first), up to ``extend_limit`` points in
+    all. Returns the best setting, every point tried, and whether the best is inside; a grid of one point
+    is never inside.
     """
     scores = {value: score(value) for value in grid}
     ratio = grid[1] / grid[0] if len(grid) > 1 else 2.0
-    for _ in range(extend_limit if len(grid) > 1 else 0):
+
+    def sides() -> tuple[float, list[float], list[float]]:
         values = sorted(scores)
         best = max(values, key=scores.__getitem__)
-        if best == values[0]:
-            scores[values[0] / ratio] = score(values[0] / ratio)
-        elif best == values[-1]:
-            scores[values[-1] * ratio] = score(values[-1] * ratio)
-        else:
+        lower = [v for v in reversed(values) if v < best]  # nearest first
+        higher = [v for v in values if v > best]
+        return best, lower, higher
+
+    for _ in range(extend_limit if len(grid) > 1 else 0):
+        best, lower, higher = sides()
+        unsettled = [
+            (len(side), -1 if side is lower else 1)
+            for side in (lower, higher)
+            if not _side_settled(scores, side, failed_score)
+        ]
+        if not unsettled:
             break
-    values = sorted(scores)
-    best = max(values, key=scores.__getitem__)
-    inside = len(values) == 1 or values[0] < best < values[-1]
-    return best, [{"setting": v, "val_acc": scores[v]} for v in values], inside
+        direction = min(unsettled)[1]
+        edge = min(scores) / ratio if direction < 0 else max(scores) * ratio
+        scores[edge] = score(edge)
+    best, lower, higher = sides()
+    inside = _side_settled(scores, lower, failed_score) and _side_settled(scores, higher, failed_score)
+    return best, [{"setting": v, "val_acc": scores[v]} for v in sorted(scores)], inside
 
 
 def learned(accuracy: float) -> bool:

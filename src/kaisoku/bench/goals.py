@@ -1,0 +1,197 @@
+"""Goal entries of a benchmark summary, judged by the interval of the figure, never by one point.
+
+A goal is met only when the whole interval of its figure clears the target: a bootstrap interval over the
+repeats or seeds (resampled with a fixed, recorded seed), or an interval the benchmark measured itself
+(a paired IQR). A figure inside its noise is recorded ``met: false`` with ``reason: "within noise: ..."``;
+a figure of one measurement is unmet with a reason that says so, unless it is exact by nature (a count, a
+bit-for-bit comparison), which the entry states in ``exact``. Gaps keep their sign: a gap's samples are
+the signed per-seed gaps, and its value is their statistic (never the absolute value of a mean).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+#: The bootstrap's resampling seed: fixed, so that an interval is reproducible from the recorded samples.
+BOOTSTRAP_SEED = 0
+#: Bootstrap resamples per interval.
+BOOTSTRAP_RESAMPLES = 4000
+#: The bootstrap interval's confidence.
+CONFIDENCE = 0.95
+
+#: The reason of a figure measured once (no repeats, no seeds): its noise is unknown.
+ONE_MEASUREMENT = "one measurement, no repeats or seeds: its noise is unknown"
+
+_COMPARATORS: dict[str, Callable[[float, float], bool]] = {
+    "<=": operator.le,
+    ">=": operator.ge,
+    "<": operator.lt,
+    ">": operator.gt,
+}
+
+Statistic = Literal["median", "mean"]
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Where a figure lies given its noise: ``low`` to ``high``, and how that was computed."""
+
+    low: float
+    high: float
+    method: str
+
+    def text(self) -> str:
+        """``[low, high]`` with four significant digits."""
+        return f"[{self.low:.4g}, {self.high:.4g}]"
+
+
+def _statistic(values: np.ndarray, statistic: Statistic, axis: int | None = None) -> Any:
+    return np.median(values, axis=axis) if statistic == "median" else np.mean(values, axis=axis)
+
+
+def bootstrap_interval(
+    samples: Sequence[float], statistic: Statistic = "median", *, unit: str = "repeats"
+) -> Interval:
+    """The percentile bootstrap interval (:data:`CONFIDENCE`) of ``statistic`` over ``samples``.
+
+    Resampled :data:`BOOTSTRAP_RESAMPLES` times by a generator seeded with :data:`BOOTSTRAP_SEED` (never
+    the time or the process), so the same samples give the same interval. With few samples it spans about
+    their range: three seeds cannot settle a figure their spread straddles. ``unit`` names what a sample
+    is (repeats, seeds, rounds) in the method's text.
+    """
+    values = np.asarray(samples, dtype=np.float64)
+    if values.size == 0:
+        raise ValueError("bootstrap_interval needs at least one sample")
+    rng = np.random.Generator(np.random.PCG64(BOOTSTRAP_SEED))
+    picks = rng.integers(0, values.size, size=(BOOTSTRAP_RESAMPLES, values.size))
+    stats = _statistic(values[picks], statistic, axis=1)
+    tail = (1.0 - CONFIDENCE) / 2.0
+    low, high = np.quantile(stats, [tail, 1.0 - tail])
+    return Interval(
+        float(low),
+        float(high),
+        f"bootstrap {CONFIDENCE:.0%} interval of the {statistic} over {values.size} {unit} "
+        f"(seed {BOOTSTRAP_SEED}, {BOOTSTRAP_RESAMPLES} resamples)",
+    )
+
+
+def paired_iqr(samples: Sequence[float], *, unit: str = "rounds") -> Interval:
+    """The inter-quartile range of paired samples (each one side's measure over the other's, taken side by
+    side) as the figure's interval."""
+    values = np.asarray(samples, dtype=np.float64)
+    q1, q3 = np.percentile(values, [25, 75])
+    return Interval(float(q1), float(q3), f"paired IQR over {values.size} {unit}")
+
+
+def _clears(interval: Interval, op_text: str, bound: float) -> bool:
+    """Whether every value of ``interval`` meets ``op bound``."""
+    compare = _COMPARATORS[op_text]
+    edge = interval.high if op_text in ("<=", "<") else interval.low
+    return bool(compare(edge, bound))
+
+
+def _misses(interval: Interval, op_text: str, bound: float) -> bool:
+    """Whether no value of ``interval`` meets ``op bound``."""
+    compare = _COMPARATORS[op_text]
+    edge = interval.low if op_text in ("<=", "<") else interval.high
+    return not compare(edge, bound)
+
+
+def _round(value: float) -> float:
+    return round(float(value), 4)
+
+
+def goal(
+    value: float | None,
+    target: str,
+    *,
+    samples: Sequence[float] | None = None,
+    statistic: Statistic = "median",
+    unit: str = "repeats",
+    interval: Interval | None = None,
+    exact: str = "",
+    reason: str = "",
+    **details: Any,
+) -> dict[str, Any]:
+    """A summary entry ``{"value", "goal", "met", "interval", "interval_method", ...}``; ``target`` reads like
+    ``"<= 1.03"``.
+
+    The figure's noise comes from ``samples`` (its value per repeat or seed: the interval is
+    :func:`bootstrap_interval` of ``statistic``, and ``value``, when None, is that statistic), or from an
+    ``interval`` the benchmark measured (:func:`paired_iqr`). The goal is met only when the whole interval
+    clears the target; an interval that straddles it gives ``reason: "within noise: <interval> vs
+    <target>"``. A figure with neither is unmet with :data:`ONE_MEASUREMENT` as its reason, unless
+    ``exact`` says why it has no noise (a count, a bit-for-bit check): then the value alone is judged.
+
+    ``reason`` says why the goal is not met whatever the value (it could not be measured, or does not
+    apply here): the entry is then never met and carries the reason. A missing or non-finite value needs
+    one. ``details`` (per-seed values, ...) are added to the entry as they are.
+    """
+    op_text, _, number = target.partition(" ")
+    if op_text not in _COMPARATORS:
+        raise ValueError(
+            f"goal target {target!r}: write it as '<op> <number>' with op one of {list(_COMPARATORS)}"
+        )
+    bound = float(number)
+    finite = None
+    if samples is not None:
+        finite = [float(x) for x in samples if x is not None and math.isfinite(float(x))]
+        if len(finite) < len(samples):
+            reason = (
+                reason or f"{len(samples) - len(finite)} of {len(samples)} {unit} measured no finite value"
+            )
+        if value is None and finite:
+            value = float(_statistic(np.asarray(finite), statistic))
+        if finite and interval is None:
+            interval = bootstrap_interval(finite, statistic, unit=unit)
+    if value is not None and not math.isfinite(float(value)):
+        reason = reason or f"the measured value was {value}"
+        value = None
+    if value is None and not reason:
+        raise ValueError(f"goal {target!r} has no value: say why in reason=")
+    if value is not None and not reason:
+        if interval is not None:
+            if not _clears(interval, op_text, bound) and not _misses(interval, op_text, bound):
+                reason = f"within noise: {interval.text()} vs {target}"
+        elif not exact:
+            reason = ONE_MEASUREMENT
+    met = (
+        not reason
+        and value is not None
+        and _COMPARATORS[op_text](float(value), bound)
+        and (interval is None or _clears(interval, op_text, bound))
+    )
+    entry: dict[str, Any] = {
+        "value": None if value is None else _round(value),
+        "goal": target,
+        "met": bool(met),
+    }
+    if reason:
+        entry["reason"] = reason
+    if interval is not None:
+        entry["interval"] = [_round(interval.low), _round(interval.high)]
+        entry["interval_method"] = interval.method
+    if finite is not None:
+        entry["samples"] = [_round(x) for x in finite]
+    if exact:
+        entry["exact"] = exact
+    entry.update(details)
+    return entry
+
+
+def unmet_goals(summary: dict[str, dict[str, Any]]) -> list[str]:
+    """The names of the summary's goals that are not met."""
+    return [name for name, entry in summary.items() if not entry.get("met")]
+
+
+def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> list[float]:
+    """``numerator[i] / denominator[i]`` for each pair measured side by side (same seed or round)."""
+    if len(numerator) != len(denominator):
+        raise ValueError(f"paired_ratios: {len(numerator)} against {len(denominator)} values")
+    return [a / b if b else math.nan for a, b in zip(numerator, denominator)]
