@@ -384,6 +384,8 @@ def print_table(title: str, rows: list[dict[str, Any]], summary: dict[str, dict[
 
 
 def _fmt(value: Any) -> str:
+    if isinstance(value, (list, dict)) and len(value) > 4:  # per-round samples: in the JSON, not the table
+        return f"({len(value)} values)"
     if isinstance(value, float):
         return f"{value:.4g}"
     return "" if value is None else str(value)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kaisoku.bench.common import goal, interleaved, median_iqr, print_table, write_result
+from kaisoku.bench.goals import paired_ratios, worst_goal
 from kaisoku.config import Config
 from kaisoku.data.cosmo import NPZ_NAME, generate_cosmo
 from kaisoku.data.shards.codecs import get_codec
@@ -43,6 +44,10 @@ LOSSY_BOUNDS = (0.05, 0.1, 0.2)
 LOSSY = tuple(delta_codec_name(bound, ERROR_MODE) for bound in LOSSY_BOUNDS)
 CODECS = ("raw", "zstd", "delta", *LOSSY)
 MAE_GAP = 0.005
+#: The error bound whose MAE gap and ratio are judged: fixed in advance, never picked by the goal's threshold.
+JUDGED_BOUND = 0.1
+#: Why the pack ratios need no repeats.
+PACKED_BYTES = "packed byte counts of a deterministic pack"
 """The goal: validation MAE at most this far from lossless."""
 
 FULL = {
@@ -91,11 +96,13 @@ def _loader_epoch(cfg: Config, epoch_box: list[int]) -> Any:
 
 
 @torch.no_grad()
-def _val_mae(cfg: Config, model: torch.nn.Module) -> float:
-    """Mean absolute error of ``model`` over ``cfg``'s validation set, as training's validation computes it."""
+def _val_errors(cfg: Config, model: torch.nn.Module) -> list[float]:
+    """``model``'s absolute error per validation sample of ``cfg`` (mean over the targets, in the loader's
+    order: every pack holds the same samples in the same order), as training's validation computes it."""
     data = build_data(plan_run(cfg, 1), World(), torch.device("cpu"))
-    errors = [(model(x) - y).abs().mean(dim=1) for x, y in data.val_loader or ()]
-    return float(torch.cat(errors).mean())
+    with torch.no_grad():
+        errors = [(model(x) - y).abs().mean(dim=1) for x, y in data.val_loader or ()]
+    return [float(e) for e in torch.cat(errors)] if errors else []
 
 
 def _decode_costs(source: Path, samples: int = 32) -> dict[str, float]:
@@ -205,6 +212,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
             }
         )
         ladder: list[dict[str, Any]] = []
+        gap_samples: dict[float, list[float]] = {}
         lossless_mae = None
         newest = CheckpointManager(work / "train" / "checkpoints", keep=3).latest_valid()
         if newest is not None:
@@ -213,17 +221,22 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
             )
             model.load_state_dict(CheckpointManager.load(newest[0])["model"])
             model.eval()
-            lossless_mae = _val_mae(_config(work / "zstd", p["size"]), model)
+            lossless_errors = _val_errors(_config(work / "zstd", p["size"]), model)
+            lossless_mae = float(np.mean(lossless_errors))
             for bound, codec in zip(LOSSY_BOUNDS, LOSSY):
-                mae = _val_mae(_config(work / codec, p["size"]), model)
+                errors = _val_errors(_config(work / codec, p["size"]), model)
+                mae = float(np.mean(errors))
                 entry = {
                     "error_bound": bound,
                     "val_mae": round(mae, 5),
-                    "gap": round(abs(mae - lossless_mae), 5),
+                    # Signed (above 0: the bound made the model worse), with its per-sample gaps, paired.
+                    "gap": round(mae - lossless_mae, 5),
+                    "per_sample_gaps": [a - b for a, b in zip(errors, lossless_errors)],
                     "ratio_vs_zstd": round(sizes["zstd"] / sizes[codec], 3),
                     "ratio_vs_raw": round(sizes["raw"] / sizes[codec], 3),
                 }
                 ladder.append(entry)
+                gap_samples[bound] = entry.pop("per_sample_gaps")
                 rows.append(
                     {
                         "row": "lossy",
@@ -244,14 +257,19 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
             per_target=[validation.get(f"val_mae_{k}") for k in range(4)],
         ),
         "wall_minutes": goal(
-            wall / 60, "< 10", reason=short, what="kaisoku train on 2 ranks, launch to exit (data ready)"
+            wall / 60,
+            "< 10",
+            reason=short,
+            exact="this recording's own wall time: a budget, not an estimate",
+            what="kaisoku train on 2 ranks, launch to exit (data ready)",
         ),
-        "zstd_ratio_vs_raw": goal(sizes["raw"] / sizes["zstd"], ">= 2"),
-        "delta_ratio_vs_zstd": goal(sizes["zstd"] / sizes["delta"], ">= 1.3"),
-        **_lossy_goals(ladder, lossless_mae, sizes, short),
-        "loader_rate_vs_uncompressed_min": goal(
-            min(vs_raw[c] for c in CODECS if c != "raw"),
+        "zstd_ratio_vs_raw": goal(sizes["raw"] / sizes["zstd"], ">= 2", exact=PACKED_BYTES),
+        "delta_ratio_vs_zstd": goal(sizes["zstd"] / sizes["delta"], ">= 1.3", exact=PACKED_BYTES),
+        **_lossy_goals(ladder, gap_samples, lossless_mae, short),
+        "loader_rate_vs_uncompressed_min": worst_goal(
+            {c: paired_ratios(rates[c], rates["raw"]) for c in CODECS if c != "raw"},
             ">= 0.9",
+            unit="rounds",
             per_codec={c: round(vs_raw[c], 3) for c in CODECS if c != "raw"},
             raw_us_per_sample=round(1e6 / raw_rate, 1),
             memcpy_us_per_sample=decode_us["memcpy"],
@@ -281,29 +299,36 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
             f"interleaved, median of {p['repeats']}. Training: preset cosmoflow-cpu on the zstd pack, "
             f"{p['nproc']} rank(s), {p['epochs']} epochs, wall from launch to exit. Lossy gap: the trained "
             f"model's validation MAE on each delta@{ERROR_MODE}:E pack (E in {list(LOSSY_BOUNDS)}) against "
-            "the lossless pack (no further training runs); the largest E within the goal is reported."
+            f"the lossless pack (no further training runs); the goals judge E = {JUDGED_BOUND}, fixed in advance."
         ),
         extra={"params": p},
     )
 
 
 def _lossy_goals(
-    ladder: list[dict[str, Any]], lossless_mae: float | None, sizes: dict[str, int], short: str
+    ladder: list[dict[str, Any]],
+    gap_samples: dict[float, list[float]],
+    lossless_mae: float | None,
+    short: str,
 ) -> dict[str, Any]:
-    """``lossy_mae_gap`` and ``lossy_ratio`` at the largest bound of ``ladder`` within :data:`MAE_GAP`."""
-    within = [entry for entry in ladder if entry["gap"] <= MAE_GAP]
-    chosen = within[-1] if within else (ladder[0] if ladder else None)
+    """``lossy_mae_gap`` and ``lossy_ratio`` at :data:`JUDGED_BOUND`, fixed before anything is measured
+    (the ladder's other bounds are reported beside it, not chosen from). The gap is judged by the bootstrap
+    interval of the mean of its per-sample gaps: the same trained model on the same validation samples,
+    read through the lossy and the lossless pack."""
+    chosen = next((entry for entry in ladder if entry["error_bound"] == JUDGED_BOUND), None)
     reason = short or ("" if chosen is not None else "no trained model to evaluate")
     if chosen is None:
         return {
             "lossy_mae_gap": goal(None, f"<= {MAE_GAP}", reason=reason),
             "lossy_ratio": goal(None, ">= 1.3", reason=reason),
         }
-    none_within = "" if within else f"no bound of {list(LOSSY_BOUNDS)} keeps the gap within {MAE_GAP}"
     return {
         "lossy_mae_gap": goal(
             chosen["gap"],
             f"<= {MAE_GAP}",
+            samples=gap_samples.get(JUDGED_BOUND),
+            statistic="mean",
+            unit="validation samples",
             reason=short,
             error_bound=chosen["error_bound"],
             error_mode=ERROR_MODE,
@@ -314,7 +339,8 @@ def _lossy_goals(
         "lossy_ratio": goal(
             chosen["ratio_vs_zstd"],
             ">= 1.3",
-            reason=short or none_within,
+            exact=PACKED_BYTES,
+            reason=short,
             what=f"zstd bytes / delta@{ERROR_MODE}:{chosen['error_bound']:g} bytes",
             vs_raw=chosen["ratio_vs_raw"],
         ),

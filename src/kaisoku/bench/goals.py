@@ -148,7 +148,7 @@ def goal(
             )
         if value is None and finite:
             value = float(_statistic(np.asarray(finite), statistic))
-        if finite and interval is None:
+        if len(finite) >= 2 and interval is None:
             interval = bootstrap_interval(finite, statistic, unit=unit)
     if value is not None and not math.isfinite(float(value)):
         reason = reason or f"the measured value was {value}"
@@ -183,6 +183,88 @@ def goal(
         entry["exact"] = exact
     entry.update(details)
     return entry
+
+
+def ratio_interval(
+    numerator: Sequence[float], denominator: Sequence[float], statistic: Statistic = "median"
+) -> Interval:
+    """The bootstrap interval of ``statistic(numerator) / statistic(denominator)`` for two sets measured
+    apart (not paired): each side resampled on its own, with the fixed :data:`BOOTSTRAP_SEED`."""
+    top, bottom = np.asarray(numerator, dtype=np.float64), np.asarray(denominator, dtype=np.float64)
+    rng = np.random.Generator(np.random.PCG64(BOOTSTRAP_SEED))
+    tops = _statistic(top[rng.integers(0, top.size, size=(BOOTSTRAP_RESAMPLES, top.size))], statistic, axis=1)
+    bottoms = _statistic(
+        bottom[rng.integers(0, bottom.size, size=(BOOTSTRAP_RESAMPLES, bottom.size))], statistic, axis=1
+    )
+    tail = (1.0 - CONFIDENCE) / 2.0
+    low, high = np.quantile(tops / bottoms, [tail, 1.0 - tail])
+    return Interval(
+        float(low),
+        float(high),
+        f"bootstrap {CONFIDENCE:.0%} interval of the ratio of {statistic}s, {top.size} over {bottom.size} "
+        f"runs resampled apart (seed {BOOTSTRAP_SEED}, {BOOTSTRAP_RESAMPLES} resamples)",
+    )
+
+
+def worst_of(
+    cases: dict[str, tuple[float, Interval | None]], target: str, *, reason: str = "", **details: Any
+) -> dict[str, Any]:
+    """The goal of the worst of several cases (the highest for a ``<`` target, the lowest for ``>``), each
+    ``(value, interval)`` (None: measured once).
+
+    The interval is the worst of the cases' bounds, bound by bound: it clears the target exactly when every
+    case's interval does, so a case inside its noise keeps the goal unmet even when another case is the
+    worst by its point value. The entry lists each case's value and interval (``per_case``).
+    """
+    if not cases:
+        return goal(None, target, reason=reason or "no case was measured", **details)
+    worst = max if target.partition(" ")[0] in ("<=", "<") else min
+    worst_case = worst(cases, key=lambda case: cases[case][0])
+    measured = [i for _, i in cases.values() if i is not None]
+    if len(measured) < len(cases) and not reason:
+        reason = ONE_MEASUREMENT + f" ({', '.join(c for c, (_, i) in cases.items() if i is None)})"
+    interval = None
+    if measured:
+        interval = Interval(
+            worst(i.low for i in measured),
+            worst(i.high for i in measured),
+            f"bound by bound the worst of {len(measured)} cases' intervals, each a {measured[0].method}",
+        )
+    per_case = {
+        case: {"value": _round(value)} | ({"interval": [_round(i.low), _round(i.high)]} if i else {})
+        for case, (value, i) in cases.items()
+    }
+    return goal(
+        cases[worst_case][0],
+        target,
+        interval=interval,
+        reason=reason,
+        worst_case=worst_case,
+        per_case=per_case,
+        **details,
+    )
+
+
+def worst_goal(
+    samples_by_case: dict[str, Sequence[float]],
+    target: str,
+    *,
+    statistic: Statistic = "median",
+    unit: str = "repeats",
+    reason: str = "",
+    **details: Any,
+) -> dict[str, Any]:
+    """:func:`worst_of` the cases, each from its own samples (value: their ``statistic``; interval: their
+    :func:`bootstrap_interval`; fewer than two samples: measured once)."""
+    cases = {
+        case: (
+            float(_statistic(np.asarray(values, dtype=np.float64), statistic)),
+            bootstrap_interval(values, statistic, unit=unit) if len(values) >= 2 else None,
+        )
+        for case, values in samples_by_case.items()
+        if len(values) > 0
+    }
+    return worst_of(cases, target, reason=reason, **details)
 
 
 def unmet_goals(summary: dict[str, dict[str, Any]]) -> list[str]:

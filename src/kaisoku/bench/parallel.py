@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kaisoku.bench.common import goal, locate_mnist, print_table, write_result
+from kaisoku.bench.common import locate_mnist, print_table, write_result
+from kaisoku.bench.goals import Interval, bootstrap_interval, worst_of
 from kaisoku.bench.parallel_mnist import bench_mnist, mnist_goals
 from kaisoku.config import OptimConfig
 from kaisoku.distributed.data_parallel import BucketPlan, wrap_ddp
@@ -165,13 +166,32 @@ def bench_bubble(quick: bool) -> list[dict[str, Any]]:
     """Rows of (a): measured bubble per schedule and m beside the theory.
 
     A step's bubble is the mean over the two ranks of blocked / step seconds; the figure is the median
-    over the faster half of the steps (by the slower rank's step time), the steps least disturbed by
-    other processes on the machine.
+    over every step (the median over the faster half, the steps least disturbed by other processes, is
+    kept beside it for reference, not judged: keeping only the fast steps favours the schedule).
     """
     ms = [2, 4, 8]
     width, depth, micro_size = 1024, 8, 128
     rounds = 3 if quick else 12
     return bubble_rows(launch(bubble_rank, 2, width, depth, micro_size, ms, rounds))
+
+
+def bubble_goal(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """``bubble_1f1b_worst_relative_gap``: over m, the largest |measured / theory - 1| of the 1F1B rows
+    (the sign stays in each row's ``ratio``), each m's interval from the bootstrap of its per-step ratios:
+    the gap's interval is the distance of that ratio interval from 1 (0 where it holds 1)."""
+    cases: dict[str, tuple[float, Interval | None]] = {}
+    for row in rows:
+        if row["schedule"] != "1f1b":
+            continue
+        ratios = row.get("ratio_per_step") or []
+        interval = None
+        if len(ratios) >= 2:
+            around = bootstrap_interval(ratios, unit="steps")
+            near = 0.0 if around.low <= 1.0 <= around.high else min(abs(around.low - 1), abs(around.high - 1))
+            far = max(abs(around.low - 1), abs(around.high - 1))
+            interval = Interval(near, far, f"|x - 1| of the {around.method}")
+        cases[f"m={row['m']}"] = (abs(row["ratio"] - 1.0), interval)
+    return worst_of(cases, "<= 0.25")
 
 
 def bubble_rows(per_rank: list[dict[str, list[tuple[float, float]]]]) -> list[dict[str, Any]]:
@@ -185,7 +205,7 @@ def bubble_rows(per_rank: list[dict[str, list[tuple[float, float]]]]) -> list[di
         step_seconds = [max(elapsed for _, elapsed in step) for step in steps]
         fractions = [statistics.mean(b / e for b, e in step) for step in steps]
         calm = sorted(range(len(steps)), key=lambda i: step_seconds[i])[: max(1, (len(steps) + 1) // 2)]
-        bubble = statistics.median(fractions[i] for i in calm)
+        bubble = statistics.median(fractions)
         theory = (p - 1) / (m + p - 1)
         rows.append(
             {
@@ -196,7 +216,8 @@ def bubble_rows(per_rank: list[dict[str, list[tuple[float, float]]]]) -> list[di
                 "bubble": round(bubble, 4),
                 "theory": round(theory, 4),
                 "ratio": round(bubble / theory, 3),
-                "bubble_all_steps": round(statistics.median(fractions), 4),
+                "ratio_per_step": [round(f / theory, 4) for f in fractions],
+                "bubble_faster_half": round(statistics.median(fractions[i] for i in calm), 4),
                 "step_s": round(min(step_seconds), 4),
             }
         )
@@ -353,16 +374,16 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     layouts = bench_layouts(quick)
     mnist_path = locate_mnist()
     mnist_rows, mnist = bench_mnist(quick, mnist_path)
-    one_f_one_b = [r for r in bubble if r["schedule"] == "1f1b"]
     summary = {
-        "bubble_1f1b_worst_relative_gap": goal(max(abs(r["ratio"] - 1.0) for r in one_f_one_b), "<= 0.25"),
+        "bubble_1f1b_worst_relative_gap": bubble_goal(bubble),
         **mnist_goals(
             mnist, "" if mnist_path else "mnist.npz not found (pass --mnist PATH or set KAISOKU_MNIST)"
         ),
     }
     notes = [
         "bubble = (seconds blocked in the schedule's p2p waits + the drain wait at the step's end) / step "
-        "seconds, mean of the 2 ranks, median over the faster half of the steps (the least disturbed)",
+        "seconds, mean of the 2 ranks, median over every step (bubble_faster_half: over the faster half, "
+        "for reference)",
         "4 ranks share the machine's cores in (b) and (c): samples/s compare layouts, not hardware",
         "(c) speed figures: per seed, a configuration's samples/s (slowest rank, Trainer.fit's training "
         "time) over dp-only's; median and range over the seeds",

@@ -168,6 +168,8 @@ def _summary(cells: list[dict[str, Any]], groups: list[dict[str, Any]], reason: 
         "epoch_time_median_abs_error": goal(
             statistics.median(errors),
             "<= 0.15",
+            samples=errors,
+            unit="cells (each measured once)",
             cells=len(cells),
             steady_epoch_median_abs_error=round(statistics.median(steady), 3),
         ),  # fmt: skip
