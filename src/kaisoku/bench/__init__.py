@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kaisoku.bench import gpu
 from kaisoku.bench.common import (
     RESULTS,
     check_out_dir,
@@ -68,7 +69,10 @@ def parser() -> argparse.ArgumentParser:
         prog="kaisoku bench",
         description="Run a benchmark; its record goes to OUT/<name>.json (see benchmarks/README.md).",
     )
-    p.add_argument("name", help=f"one of: {', '.join(BENCHMARKS)}")
+    p.add_argument(
+        "name",
+        help=f"one of: {', '.join(BENCHMARKS)}; or gpu (kaisoku bench gpu --help: every GPU row in one run)",
+    )
     p.add_argument(
         "--quick",
         action="store_true",
@@ -113,8 +117,11 @@ def resolve_out(out: str, *, quick: bool, allow_dirty: bool, repo: Path, name: s
 def main(argv: Sequence[str]) -> int:
     """``kaisoku bench NAME [--quick] [--out DIR] [--strict] [--allow-dirty] [--mnist PATH]``.
 
-    Returns the exit code: 0, or 1 under ``--strict`` when a goal is not met.
+    Returns the exit code: 0, or 1 under ``--strict`` when a goal is not met. ``kaisoku bench gpu ...`` is
+    :func:`kaisoku.bench.gpu.main`: every row that needs a GPU, in one run.
     """
+    if list(argv[:1]) == ["gpu"]:
+        return gpu.main(argv[1:])
     args = parser().parse_args(list(argv))
     if args.name not in BENCHMARKS:
         raise ConfigError(f"unknown benchmark '{args.name}'; choose one of: {', '.join(sorted(BENCHMARKS))}")
