@@ -55,3 +55,8 @@ def check_record(record: dict[str, Any], expected_goals: set[str]) -> None:
             assert entry["met"] is False and entry["reason"], name
         if "reason" in entry:
             assert entry["met"] is False, name
+        # A met goal cleared its whole interval, or its figure is exact by nature and says why.
+        if entry["met"]:
+            assert entry.get("exact") or len(entry.get("interval", [])) == 2, name
+        if "interval" in entry:
+            assert entry["interval"][0] <= entry["interval"][1] and entry["interval_method"], name

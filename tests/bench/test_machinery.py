@@ -21,7 +21,7 @@ from kaisoku.bench.common import (
     unmet_goals,
     write_result,
 )
-from kaisoku.bench.goals import ONE_MEASUREMENT, bootstrap_interval, paired_iqr
+from kaisoku.bench.goals import ONE_MEASUREMENT, bootstrap_interval, paired_iqr, ratio_interval, worst_goal
 from kaisoku.bench.imagesets import data_root
 from kaisoku.bench.parallel_mnist import mnist_goals
 from kaisoku.errors import ConfigError
@@ -87,6 +87,26 @@ def test_signed_gap_keeps_its_sign_with_its_interval() -> None:
     assert worse["value"] == pytest.approx(-1.0) and worse["interval"][1] < 0
     assert worse["met"] is False
     assert "over 3 seeds" in worse["interval_method"]
+
+
+def test_the_worst_of_several_cases_is_met_only_when_every_case_clears() -> None:
+    settled = {"small-cnn": [1.0, 1.01, 1.0, 1.02], "resnet10": [0.99, 1.0, 1.0, 1.01]}
+    entry = worst_goal(settled, "<= 1.03", unit="rounds")
+    assert entry["met"] is True and entry["worst_case"] == "small-cnn"
+    # resnet10's median is the lower one, but its rounds straddle the target: the goal is not settled.
+    noisy = {"small-cnn": [1.0, 1.01, 1.0, 1.02], "resnet10": [0.98, 0.99, 1.0, 1.06]}
+    entry = worst_goal(noisy, "<= 1.03", unit="rounds")
+    assert entry["value"] == pytest.approx(1.005) and entry["met"] is False
+    assert entry["reason"].startswith("within noise") and entry["per_case"]["resnet10"]["interval"][1] > 1.03
+    once = worst_goal({"a": [1.0, 1.0], "b": [1.0]}, "<= 1.03")
+    assert once["met"] is False and once["reason"].startswith(ONE_MEASUREMENT)
+
+
+def test_a_ratio_of_runs_measured_apart_resamples_each_side() -> None:
+    interval = ratio_interval([10.0, 11.0, 12.0], [5.0, 5.5, 6.0])
+    assert interval.low < 2.0 < interval.high and "apart" in interval.method
+    assert goal(2.0, ">= 1.5", interval=interval)["met"] is True
+    assert goal(2.0, ">= 1.9", interval=interval)["reason"].startswith("within noise")
 
 
 def test_goal_with_a_reason_is_never_met() -> None:

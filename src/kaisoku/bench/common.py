@@ -384,8 +384,8 @@ def print_table(title: str, rows: list[dict[str, Any]], summary: dict[str, dict[
 
 
 def _fmt(value: Any) -> str:
-    if isinstance(value, (list, dict)) and len(value) > 4:  # per-round samples: in the JSON, not the table
-        return f"({len(value)} values)"
+    if isinstance(value, dict) or (isinstance(value, list) and len(value) > 4):
+        return f"({len(value)} values)"  # per-round and per-seed samples: in the JSON, not the table
     if isinstance(value, float):
         return f"{value:.4g}"
     return "" if value is None else str(value)
