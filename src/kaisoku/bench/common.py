@@ -384,7 +384,9 @@ def print_table(title: str, rows: list[dict[str, Any]], summary: dict[str, dict[
 
 
 def _fmt(value: Any) -> str:
-    if isinstance(value, dict) or (isinstance(value, list) and len(value) > 4):
+    numbers = isinstance(value, list) and len(value) > 4 and all(isinstance(v, (int, float)) for v in value)
+    nested = isinstance(value, dict) and any(isinstance(v, (dict, list)) for v in value.values())
+    if numbers or nested:
         return f"({len(value)} values)"  # per-round and per-seed samples: in the JSON, not the table
     if isinstance(value, float):
         return f"{value:.4g}"
