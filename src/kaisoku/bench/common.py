@@ -302,6 +302,14 @@ def provenance(info: RunInfo) -> dict[str, Any]:
     return record
 
 
+def check_record_dir(out_dir: Path, quick: bool) -> RunInfo:
+    """The run under way, once :func:`check_out_dir` allows its records (and plots) in ``out_dir``; a
+    benchmark that draws before it writes its record calls this first."""
+    info = current_run(quick)
+    check_out_dir(out_dir, quick=quick, allow_dirty=info.allow_dirty, tree=info.tree)
+    return info
+
+
 def write_result(
     name: str,
     out_dir: Path,
@@ -317,8 +325,7 @@ def write_result(
     ConfigError where the rules of :func:`check_out_dir` forbid ``out_dir``, checked here too, so that a
     benchmark's ``run`` called directly obeys them as ``kaisoku bench`` does.
     """
-    info = current_run(quick)
-    check_out_dir(out_dir, quick=quick, allow_dirty=info.allow_dirty, tree=info.tree)
+    info = check_record_dir(out_dir, quick)
     record: dict[str, Any] = {
         "summary": summary,
         "rows": rows,

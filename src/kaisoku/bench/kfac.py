@@ -38,6 +38,7 @@ import torch
 
 from kaisoku.bench import CASES
 from kaisoku.bench.common import (
+    check_record_dir,
     fast_bf16,
     goal,
     locate_mnist,
@@ -654,6 +655,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
                 )
             plans[case], records[case] = plan, record
     summary = summary_of(walls, rows, second, skipped)
+    check_record_dir(out_dir, quick)  # before the plot goes there
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_path = out_dir / "kfac.png"
     if "mnist" in records:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from kaisoku.bench.common import goal, locate_mnist, print_table, write_result
+from kaisoku.bench.common import check_record_dir, goal, locate_mnist, print_table, write_result
 from kaisoku.bench.training import EngineRun, bench_config, learned, npz_splits, tune
 from kaisoku.distributed.env import World
 from kaisoku.optim.recipe import CPU_RECIPE, Recipe
@@ -263,6 +263,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
                 reason=reason,
                 exact="this recording's own wall time: a budget, not an estimate",
             )
+    check_record_dir(out_dir, quick)  # before the plot goes there
     plot = _plot(table, b0_best, out_dir / "largebatch.png", budget)
     notes = (
         f"MNIST 50k/10k/10k, the zoo's small-cnn (width {budget.width}) trained by build_trainer (the engine "
