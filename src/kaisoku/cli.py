@@ -200,7 +200,8 @@ def cmd_datagen(argv: Sequence[str]) -> int:
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
-    """``kaisoku bench NAME [--quick] [--out DIR] [--strict] [--allow-dirty] [--mnist PATH]``."""
+    """``kaisoku bench NAME [--quick] [--out DIR] [--strict] [--allow-dirty] [--mnist PATH]``; ``kaisoku bench
+    gpu [--out DIR] [--allow-dirty]`` records every row that needs a GPU."""
     # start-up: each command imports only what it runs
     from kaisoku.bench import main as bench_main
 
