@@ -4,6 +4,11 @@ sample coverage across a lost host: ``python tests/cluster/logged_train.py TRAIN
 Each rank appends ``{"attempt", "rank", "epoch", "step", "ids"}`` lines to
 ``RUN_DIR/logs/ids-rank<R>-attempt<A>.jsonl``; with ``--data.workers 0`` a batch is handed out when the
 trainer asks for it, so the lines are the batches trained (and at most the one in flight at a kill).
+
+``--hold-below RANKS:STEPS`` (before the train arguments) makes a rank of a world with fewer than RANKS
+ranks, once it has checkpointed STEPS steps after its start (``--checkpoint.every-steps STEPS``), train one
+step more and wait to be restarted: a run that lost a host stays at work until the host comes back,
+however fast the steps are (it fails after HOLD_S seconds).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +26,8 @@ from kaisoku.distributed.env import inside_torchrun, world_from_env
 from kaisoku.engine import failures
 from kaisoku.engine.run import run_training, train_on_local_ranks
 from kaisoku.engine.trainer import Trainer
+
+HOLD_S = 300.0
 
 
 class _LoggingSampler(EpochSampler):
@@ -34,21 +42,36 @@ class _LoggingSampler(EpochSampler):
             yield batch
 
 
-def _log_ids(run_dir: Path, trainer: Trainer) -> None:
+def _log_ids(run_dir: Path, hold: tuple[int, int] | None, trainer: Trainer) -> None:
     sampler = trainer.train_data.sampler  # type: ignore[attr-defined]
     sampler.__class__ = _LoggingSampler
     attempt = failures.restart_attempt()
     sampler.attempt = attempt
     rank = world_from_env().rank
     sampler.log_path = run_dir / "logs" / f"ids-rank{rank}-attempt{attempt}.jsonl"
+    if hold is not None and sampler.world_size < hold[0]:
+        # After each step, before its checkpoint: the step after the checkpoint STEPS on is the one held.
+        trainer.on_step = functools.partial(_hold, trainer.state.step + hold[1] + 1)
+
+
+def _hold(at_step: int, step: int) -> None:
+    if step >= at_step:
+        time.sleep(HOLD_S)  # the launcher's SIGTERM ends it when the world grows again
+        raise RuntimeError(f"held {HOLD_S:g} s after step {step}; no host joined")
 
 
 def main(argv: list[str]) -> int:
+    hold: tuple[int, int] | None = None
+    own: list[str] = []
+    if argv[:1] == ["--hold-below"]:
+        own, argv = argv[:2], argv[2:]
+        ranks, steps = own[1].split(":")
+        hold = (int(ranks), int(steps))
     cfg, _ = resolve_config(argv)
     if inside_torchrun():
-        run_training(cfg, customize=functools.partial(_log_ids, Path(cfg.run_dir).expanduser()))
+        run_training(cfg, customize=functools.partial(_log_ids, Path(cfg.run_dir).expanduser(), hold))
         return 0
-    return train_on_local_ranks(cfg, max(1, cfg.dist.nproc), rank_entry=[__file__])
+    return train_on_local_ranks(cfg, max(1, cfg.dist.nproc), rank_entry=[__file__, *own])
 
 
 if __name__ == "__main__":
