@@ -2,8 +2,8 @@
 
 Without restarts the other host stops with one line naming the lost host, and ``--resume auto`` continues.
 With ``--nnodes 1:2 --max-restarts`` the remaining host goes on (elastic), the world-size change is one
-line, and over the interrupted epoch every sample is trained exactly once from the checkpoint on. When
-the lost host's launcher starts again, the run grows back to both hosts from the newest checkpoint.
+line; when the lost host's launcher starts again, the run grows back to both hosts from the newest
+checkpoint, and over each epoch every sample is trained exactly once across the world sizes.
 """
 
 from __future__ import annotations
@@ -111,57 +111,9 @@ def test_without_restarts_the_other_host_stops_naming_the_lost_one_and_resume_co
     ]
 
 
-@pytest.mark.timeout(420)
-def test_elastic_restart_goes_on_with_the_remaining_host_covering_every_sample_once(
-    box: ClusterBox, tmp_path: Path
-) -> None:
-    run_dir = tmp_path / "run"
-    args = host_args(
-        box, run_dir, "--nnodes", "1:2", "--max-restarts", "2", "--rdzv-endpoint", ENDPOINT,
-        "--checkpoint.every-steps", "4",
-    )  # fmt: skip
-    args = [sys.executable, str(REPO / "tests" / "cluster" / "logged_train.py"), *args[4:]]
-    procs = start_hosts(box, args)
-    assert wait_for(lambda: _steps_logged(run_dir, 6), 150)
-    box.kill_host(1)
-    [(code, stdout, stderr)] = finish(procs[:1], timeout=300)
-    assert code == 0, stderr[-3000:]
-    restart = [line for line in stderr.splitlines() if "restart 1 of 2" in line]
-    assert len(restart) == 1 and restart[0].startswith("kaisoku: lost host kbox-node1 (rank 1): "), stderr
-    attempts = hosts_record(run_dir)
-    assert [(a["world_size"], a["hosts"]) for a in attempts] == [
-        (2, {"kbox-node0": [0], "kbox-node1": [1]}),
-        (1, {"kbox-node0": [0]}),
-    ]
-    resumed_at = attempts[1]["start_step"]
-    change = [line for line in stdout.splitlines() if line.startswith("kaisoku: world size")]
-    assert change == [f"kaisoku: world size 2 -> 1 (lost kbox-node1); 1 host continue from step {resumed_at}"]
-
-    # Sample coverage over the interrupted epoch: the batches before the checkpoint (first attempt, both
-    # ranks) and from it on (second attempt, one rank) hold every training sample exactly once.
-    epoch, first_step = divmod(resumed_at, STEPS_PER_EPOCH)
-    logged = [
-        json.loads(line)
-        for path in sorted((run_dir / "logs").glob("ids-rank*-attempt*.jsonl"))
-        for line in path.read_text().splitlines()
-    ]
-    before = [
-        i
-        for r in logged
-        if (r["attempt"], r["epoch"]) == (0, epoch) and r["step"] < first_step
-        for i in r["ids"]
-    ]
-    after = [i for r in logged if (r["attempt"], r["epoch"]) == (1, epoch) for i in r["ids"]]
-    assert min(r["step"] for r in logged if (r["attempt"], r["epoch"]) == (1, epoch)) == first_step
-    assert len(before) == first_step * GLOBAL_BATCH
-    assert sorted(before + after) == list(range(TRAIN_SAMPLES))
-    steps = [r["step"] for r in metric_lines(run_dir) if "loss" in r]
-    assert steps == sorted(set(steps)) and steps[-1] == 2 * STEPS_PER_EPOCH
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_a_lost_host_that_comes_back_rejoins_and_the_run_ends_at_full_size(
+def test_elastic_restarts_go_on_with_the_remaining_host_and_grow_back_when_it_returns(
     box: ClusterBox, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
@@ -186,6 +138,10 @@ def test_a_lost_host_that_comes_back_rejoins_and_the_run_ends_at_full_size(
     [back] = start_hosts(box, args, hosts=[1])
     results = finish([first, back], timeout=300)
     assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
+    # The loss is a restart (one line); the return is a membership change, not counted against 1 restart.
+    restart = [line for line in results[0][2].splitlines() if "restart" in line]
+    assert len(restart) == 1 and restart[0].startswith("kaisoku: lost host kbox-node1 (rank 1): "), restart
+    assert "restart 1 of 1" in restart[0]
 
     attempts = _attempts(run_dir)
     both, one = {"kbox-node0": [0], "kbox-node1": [1]}, {"kbox-node0": [0]}
