@@ -5,10 +5,9 @@ Each rank appends ``{"attempt", "rank", "epoch", "step", "ids"}`` lines to
 ``RUN_DIR/logs/ids-rank<R>-attempt<A>.jsonl``; with ``--data.workers 0`` a batch is handed out when the
 trainer asks for it, so the lines are the batches trained (and at most the one in flight at a kill).
 
-``--hold-below RANKS:STEPS`` (before the train arguments) makes a rank of a world with fewer than RANKS
-ranks, once it has checkpointed STEPS steps after its start (``--checkpoint.every-steps STEPS``), train one
-step more and wait to be restarted: a run that lost a host stays at work until the host comes back,
-however fast the steps are (it fails after HOLD_S seconds).
+``--hold-below RANKS:STEPS`` (before the train arguments) holds a world with fewer than RANKS ranks after
+its first STEPS steps, as in ``kaisoku bench cluster`` (:func:`kaisoku.bench.cluster_rank.hold_smaller_world`):
+a run that lost a host stays at work until the host comes back, however fast the steps are.
 """
 
 from __future__ import annotations
@@ -16,18 +15,16 @@ from __future__ import annotations
 import functools
 import json
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from kaisoku.bench.cluster_rank import hold_smaller_world, split_hold
 from kaisoku.cli import resolve_config
 from kaisoku.data.order.sampler import EpochSampler
 from kaisoku.distributed.env import inside_torchrun, world_from_env
 from kaisoku.engine import failures
 from kaisoku.engine.run import run_training, train_on_local_ranks
 from kaisoku.engine.trainer import Trainer
-
-HOLD_S = 300.0
 
 
 class _LoggingSampler(EpochSampler):
@@ -49,24 +46,12 @@ def _log_ids(run_dir: Path, hold: tuple[int, int] | None, trainer: Trainer) -> N
     sampler.attempt = attempt
     rank = world_from_env().rank
     sampler.log_path = run_dir / "logs" / f"ids-rank{rank}-attempt{attempt}.jsonl"
-    if hold is not None and sampler.world_size < hold[0]:
-        # After each step, before its checkpoint: the step after the checkpoint STEPS on is the one held.
-        trainer.on_step = functools.partial(_hold, trainer.state.step + hold[1] + 1)
-
-
-def _hold(at_step: int, step: int) -> None:
-    if step >= at_step:
-        time.sleep(HOLD_S)  # the launcher's SIGTERM ends it when the world grows again
-        raise RuntimeError(f"held {HOLD_S:g} s after step {step}; no host joined")
+    if hold is not None:
+        hold_smaller_world(*hold, trainer)
 
 
 def main(argv: list[str]) -> int:
-    hold: tuple[int, int] | None = None
-    own: list[str] = []
-    if argv[:1] == ["--hold-below"]:
-        own, argv = argv[:2], argv[2:]
-        ranks, steps = own[1].split(":")
-        hold = (int(ranks), int(steps))
+    hold, own, argv = split_hold(argv)
     cfg, _ = resolve_config(argv)
     if inside_torchrun():
         run_training(cfg, customize=functools.partial(_log_ids, Path(cfg.run_dir).expanduser(), hold))

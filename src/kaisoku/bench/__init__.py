@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, str] = {
     "plan": "kaisoku.bench.plan",
     "vit": "kaisoku.bench.vit",
     "cosmoflow": "kaisoku.bench.cosmoflow",
+    "cluster": "kaisoku.bench.cluster",
 }
 
 #: Where recorded results live, relative to a checkout.
