@@ -63,7 +63,9 @@ def _train_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--nproc", help="ranks to launch on this node (dist.nproc)")
     parser.add_argument(
-        "--nnodes", help="hosts: N, or MIN:MAX to go on after losing hosts (dist.nnodes); same on every host"
+        "--nnodes",
+        help="hosts: N, or MIN:MAX to go on after losing hosts and grow back when they return (dist.nnodes); "
+        "same on every host",
     )
     parser.add_argument(
         "--node-rank", help="this host's index with a fixed --nnodes (static rendezvous) (dist.node_rank)"

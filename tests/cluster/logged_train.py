@@ -4,6 +4,10 @@ sample coverage across a lost host: ``python tests/cluster/logged_train.py TRAIN
 Each rank appends ``{"attempt", "rank", "epoch", "step", "ids"}`` lines to
 ``RUN_DIR/logs/ids-rank<R>-attempt<A>.jsonl``; with ``--data.workers 0`` a batch is handed out when the
 trainer asks for it, so the lines are the batches trained (and at most the one in flight at a kill).
+
+``--hold-below RANKS:STEPS`` (before the train arguments) holds a world with fewer than RANKS ranks after
+its first STEPS steps, as in ``kaisoku bench cluster`` (:func:`kaisoku.bench.cluster_rank.hold_smaller_world`):
+a run that lost a host stays at work until the host comes back, however fast the steps are.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from kaisoku.bench.cluster_rank import hold_smaller_world, split_hold
 from kaisoku.cli import resolve_config
 from kaisoku.data.order.sampler import EpochSampler
 from kaisoku.distributed.env import inside_torchrun, world_from_env
@@ -34,21 +39,24 @@ class _LoggingSampler(EpochSampler):
             yield batch
 
 
-def _log_ids(run_dir: Path, trainer: Trainer) -> None:
+def _log_ids(run_dir: Path, hold: tuple[int, int] | None, trainer: Trainer) -> None:
     sampler = trainer.train_data.sampler  # type: ignore[attr-defined]
     sampler.__class__ = _LoggingSampler
     attempt = failures.restart_attempt()
     sampler.attempt = attempt
     rank = world_from_env().rank
     sampler.log_path = run_dir / "logs" / f"ids-rank{rank}-attempt{attempt}.jsonl"
+    if hold is not None:
+        hold_smaller_world(*hold, trainer)
 
 
 def main(argv: list[str]) -> int:
+    hold, own, argv = split_hold(argv)
     cfg, _ = resolve_config(argv)
     if inside_torchrun():
-        run_training(cfg, customize=functools.partial(_log_ids, Path(cfg.run_dir).expanduser()))
+        run_training(cfg, customize=functools.partial(_log_ids, Path(cfg.run_dir).expanduser(), hold))
         return 0
-    return train_on_local_ranks(cfg, max(1, cfg.dist.nproc), rank_entry=[__file__])
+    return train_on_local_ranks(cfg, max(1, cfg.dist.nproc), rank_entry=[__file__, *own])
 
 
 if __name__ == "__main__":

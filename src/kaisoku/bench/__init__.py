@@ -44,6 +44,7 @@ BENCHMARKS: dict[str, str] = {
     "plan": "kaisoku.bench.plan",
     "vit": "kaisoku.bench.vit",
     "cosmoflow": "kaisoku.bench.cosmoflow",
+    "cluster": "kaisoku.bench.cluster",
 }
 
 #: Benchmarks made of cases that ``--case`` may pick one of.

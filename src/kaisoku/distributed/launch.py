@@ -5,6 +5,13 @@ which runs torchrun's parser and ``run`` in this process: the same elastic agent
 reports as the ``torchrun`` command, without a launcher of kaisoku's own. On one host it runs with
 ``--standalone``; across hosts (a :class:`Rendezvous`) every host runs the same command, and torchrun's
 c10d rendezvous at ``--rdzv-endpoint`` (or its static one, with ``--node-rank``) joins them.
+
+With an elastic host count (``--nnodes MIN:MAX``) the hosts that survive a lost one restart their ranks at
+the smaller size (a restart counted against ``--max-restarts``), and a host whose launcher starts again
+while the run goes on waits in the rendezvous; torchrun's agents see it waiting and restart every rank at
+the larger size (a membership change, not counted). Each host's agent counts its own restarts, so a host
+that joins late starts at 0 where the others are at 1: the ranks take their attempt from the rendezvous
+round instead (:data:`ROUND_ENV`, :func:`adopt_rendezvous_round`), one number for every host of a round.
 """
 
 from __future__ import annotations
@@ -23,12 +30,20 @@ from kaisoku.errors import ConfigError
 #: Set in the ranks to the launcher's pid: a rank whose launcher has gone stops (see die_with_launcher).
 LAUNCHER_PID_ENV = "KAISOKU_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
+#: Set in the ranks to the rendezvous round they were started in (0: the first); alike on every host.
+ROUND_ENV = "KAISOKU_RDZV_ROUND"
+#: torchrun's restart count in a rank, which kaisoku reads as the rank's attempt.
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 
 DEFAULT_RDZV_PORT = 29400
 #: Seconds the c10d rendezvous waits for more hosts once MIN have joined (torchrun's default is 30): the
 #: part of a lost host's recovery spent waiting for hosts that may come.
 LAST_CALL_S = 5
+#: torchrun's switch that makes rank 0 of each c10d round publish a fresh store address. With its default (one
+#: store shared by every round) a host joining in a later round waits for an address that rank 0 published
+#: in an earlier round only, and the join times out; so kaisoku turns the sharing off across hosts.
+UNSHARED_STORE_ENV = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
 def node_counts(nnodes: str) -> tuple[int, int]:
@@ -57,6 +72,10 @@ class Rendezvous:
     """This host's index for the static rendezvous; -1: c10d assigns it."""
     join_timeout: float = 600.0
     """Seconds a host waits for the others to join."""
+
+    def agent_env(self) -> dict[str, str]:
+        """What torchrun's agent needs in its environment for this rendezvous (see UNSHARED_STORE_ENV)."""
+        return dict([UNSHARED_STORE_ENV]) if self.node_rank < 0 else {}
 
     def torchrun_args(self) -> list[str]:
         """The rendezvous flags of the torchrun command line."""
@@ -152,34 +171,68 @@ def _failures_of(failures: dict[int, Any]) -> tuple[RankFailure, ...]:
     return tuple(out)
 
 
-@contextlib.contextmanager
-def _watch_restarts(on_restart: Callable[[tuple[RankFailure, ...], int], None] | None) -> Iterator[None]:
-    """Call ``on_restart(failures, restart)`` each time torchrun's agent is about to restart the ranks.
+def _rendezvous_round(handler: Any) -> int | None:
+    """The round of torchrun's c10d (dynamic) rendezvous just completed; None for a static rendezvous.
 
-    The agent decides a restart right after a monitoring pass finds failed ranks while restarts remain;
-    it only logs it, so its monitoring method is wrapped for the duration of the launch.
+    torchrun keeps the round in the handler's state and passes it to no rank, so it is read there.
     """
+    state = getattr(getattr(handler, "_state_holder", None), "state", None)
+    value = getattr(state, "round", None)
+    return value if isinstance(value, int) else None
+
+
+@contextlib.contextmanager
+def _watch_agent(on_restart: Callable[[tuple[RankFailure, ...], int], None] | None) -> Iterator[None]:
+    """Hook torchrun's agent for the duration of the launch.
+
+    After each rendezvous the round goes into :data:`ROUND_ENV`, which the ranks started next inherit.
+    ``on_restart(failures, restart)`` is called each time the agent is about to restart failed ranks: it
+    decides that right after a monitoring pass finds failed ranks while restarts remain, and only logs it.
+    """
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    original = LocalElasticAgent._monitor_workers
-    if on_restart is None:
-        yield
-        return
+    original_monitor = LocalElasticAgent._monitor_workers
+    original_rendezvous = SimpleElasticAgent._rendezvous
+
+    def rendezvous(agent: Any, worker_group: Any) -> None:
+        original_rendezvous(agent, worker_group)
+        round_number = _rendezvous_round(worker_group.spec.rdzv_handler)
+        if round_number is None:
+            os.environ.pop(ROUND_ENV, None)
+        else:
+            os.environ[ROUND_ENV] = str(round_number)
 
     def monitored(agent: Any, worker_group: Any) -> Any:
-        result = original(agent, worker_group)
+        result = original_monitor(agent, worker_group)
         remaining = getattr(agent, "_remaining_restarts", 0)
-        if result.is_failed() and remaining > 0:
+        if on_restart is not None and result.is_failed() and remaining > 0:
             spec = worker_group.spec
             with contextlib.suppress(Exception):  # the report must not break the restart
                 on_restart(_failures_of(result.failures), spec.max_restarts - remaining + 1)
         return result
 
+    SimpleElasticAgent._rendezvous = rendezvous  # type: ignore[method-assign]
     LocalElasticAgent._monitor_workers = monitored  # type: ignore[method-assign]
     try:
         yield
     finally:
-        LocalElasticAgent._monitor_workers = original  # type: ignore[method-assign]
+        SimpleElasticAgent._rendezvous = original_rendezvous  # type: ignore[method-assign]
+        LocalElasticAgent._monitor_workers = original_monitor  # type: ignore[method-assign]
+
+
+def adopt_rendezvous_round() -> int:
+    """In a rank started by :func:`launch_local`: take the rendezvous round as the rank's attempt; the attempt.
+
+    The round replaces torchrun's own restart count in the rank's environment, where kaisoku reads the
+    attempt (the key prefix of the ranks' store, the resume after a restart, the records), so that every
+    host of a round agrees on it: a host that rejoins a running run has restarted nothing itself. Without
+    a round (a static rendezvous, ranks not started by kaisoku) the restart count stays.
+    """
+    round_number = os.environ.get(ROUND_ENV, "")
+    if round_number.isdigit():
+        os.environ[RESTART_COUNT_ENV] = round_number
+    return int(os.environ.get(RESTART_COUNT_ENV, "0") or 0)
 
 
 def die_with_launcher() -> None:
@@ -224,6 +277,7 @@ def launch_local(
     saved_environ = dict(os.environ)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
     os.environ.update(env or {})
+    os.environ.update(rendezvous.agent_env() if rendezvous is not None else {})
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
         return _run_torchrun(entry, nproc, max_restarts, on_restart, rendezvous)
@@ -259,7 +313,7 @@ def _run_torchrun(
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        with _watch_restarts(on_restart):
+        with _watch_agent(on_restart):
             run(torchrun_args)
     except ChildFailedError as error:
         return LaunchResult(failures=_failures_of(error.failures))

@@ -1,11 +1,12 @@
 """Which host did what: ``RUN_DIR/hosts.json`` records every attempt's ranks and hosts, and a world that
 changed size since the previous attempt (a host lost, or one joining at an elastic restart) is said in
-one line.
+one line, kept in the attempt as ``change``.
 
 ``hosts.json``::
 
     {"attempts": [{"attempt": 0, "world_size": 4, "num_nodes": 2, "start_step": 0,
                    "hosts": {"kbox-node0": [0, 1], "kbox-node1": [2, 3]},
+                   "change": "world size 2 -> 4 (joined kbox-node1); 2 hosts continue from step 40",
                    "ranks": [{"rank": 0, "node": 0, "local_rank": 0, "host": "kbox-node0", "pid": 81}, ...],
                    "data": {"0": {"source_reads": 3, ...}, ...}}, ...]}
 
@@ -54,8 +55,9 @@ def hosts_of(ranks: list[dict[str, Any]]) -> dict[str, list[int]]:
     return out
 
 
-def world_change_line(previous: dict[str, Any] | None, current: dict[str, Any]) -> str | None:
-    """One line when the world size differs from the previous attempt's, naming the hosts lost and gained."""
+def world_change(previous: dict[str, Any] | None, current: dict[str, Any]) -> str | None:
+    """What changed when the world size differs from the previous attempt's, naming the hosts lost and
+    gained (``world size 2 -> 1 (lost NAME); 1 host continue from step S``); None when it did not."""
     if previous is None or previous["world_size"] == current["world_size"]:
         return None
     before, after = set(previous["hosts"]), set(current["hosts"])
@@ -66,7 +68,7 @@ def world_change_line(previous: dict[str, Any] | None, current: dict[str, Any]) 
         changes.append(f"joined {', '.join(sorted(after - before))}")
     said = f" ({'; '.join(changes)})" if changes else ""
     return (
-        f"kaisoku: world size {previous['world_size']} -> {current['world_size']}{said}; "
+        f"world size {previous['world_size']} -> {current['world_size']}{said}; "
         f"{current['num_nodes']} host{'s' if current['num_nodes'] != 1 else ''} continue from step "
         f"{current['start_step']}"
     )
@@ -74,7 +76,7 @@ def world_change_line(previous: dict[str, Any] | None, current: dict[str, Any]) 
 
 def record_start(run_dir: Path, world: env.World, *, attempt: int, start_step: int) -> str | None:
     """Gather every rank's host (a collective: call on every rank); rank 0 appends the attempt to
-    ``hosts.json``. Returns, on rank 0, the line saying the world changed size (None otherwise)."""
+    ``hosts.json``. Returns, on rank 0, what changed when the world changed size (None otherwise)."""
     mine = {
         "rank": world.rank,
         "node": world.node,
@@ -96,9 +98,12 @@ def record_start(run_dir: Path, world: env.World, *, attempt: int, start_step: i
         "hosts": hosts_of(ranks),
         "ranks": ranks,
     }
+    change = world_change(previous, current)
+    if change is not None:
+        current["change"] = change
     state["attempts"].append(current)
     atomic_write_text(run_dir / HOSTS_FILE, json.dumps(state, indent=1))
-    return world_change_line(previous, current)
+    return change
 
 
 def name_lost_host(run_dir: Path, cause: str) -> str:

@@ -20,7 +20,13 @@ from kaisoku.config import Config, to_toml
 from kaisoku.data.loading.loader import ShardLoader
 from kaisoku.data.node_cache.cache import claim_tier, reclaim_dead_tiers, remove_tier
 from kaisoku.distributed import env
-from kaisoku.distributed.launch import Rendezvous, die_with_launcher, launch_local, rendezvous_for
+from kaisoku.distributed.launch import (
+    Rendezvous,
+    adopt_rendezvous_round,
+    die_with_launcher,
+    launch_local,
+    rendezvous_for,
+)
 from kaisoku.engine import failures, hosts
 from kaisoku.engine import run_dir as run_dir_lock
 from kaisoku.engine.build import build_trainer
@@ -135,7 +141,7 @@ def run_training(
     run_dir = Path(cfg.run_dir).expanduser()
     launched = os.environ.get(failures.LAUNCHER_ENV) == "1"
     multihost = os.environ.get(MULTIHOST_ENV) == "1"
-    restart = failures.restart_attempt()
+    restart = adopt_rendezvous_round()  # alike on every host, a host that rejoined included
     resume = cfg.checkpoint.resume
     if restart > 0:
         resume = "auto"  # a rank restarted by torchrun continues from the newest checkpoint
@@ -206,22 +212,25 @@ def run_training(
 
 
 def _record_world(trainer: Trainer, run_dir: Path, world: env.World, restart: int) -> None:
-    """Which host runs which rank (``hosts.json``, a ``world`` metrics line); one line when the world
-    changed size since the previous attempt. A collective: every rank calls it once the group is up."""
+    """Which host runs which rank (``hosts.json``, a ``world`` metrics line); when the world changed size
+    since the previous attempt, one line and a ``change`` in both. A collective: every rank calls it once
+    the group is up."""
     step = trainer.state.step
     change = hosts.record_start(run_dir, world, attempt=restart, start_step=step)
     if world.is_main:
         attempt = hosts.newest_attempt(run_dir)
+        said = {"change": change} if change is not None else {}
         trainer.metrics.log(
             {
                 "step": step,
                 "event": "world",
                 "world_size": world.world_size,
                 "hosts": attempt.get("hosts", {}),
+                **said,
             }
         )
     if change is not None:
-        trainer.metrics.message(change)
+        trainer.metrics.message(f"kaisoku: {change}")
 
 
 def _data_counters(trainer: Trainer) -> dict[str, int]:
