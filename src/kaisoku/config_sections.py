@@ -249,7 +249,7 @@ class DistConfig:
     nproc: int = 0
     """Ranks to launch on this node; 0: one per GPU, else 2 CPU ranks."""
     nnodes: str = "1"
-    """Hosts of the run: N, or MIN:MAX to go on with fewer hosts after one is lost (torchrun elastic restarts, dist.max_restarts); more than 1 needs dist.rdzv_endpoint and the same command on every host."""
+    """Hosts of the run: N, or MIN:MAX to go on with fewer hosts after one is lost (torchrun elastic restarts, dist.max_restarts) and grow back to MAX when a lost host returns (the same command there, with --resume auto); more than 1 needs dist.rdzv_endpoint and the same command on every host."""
     node_rank: int = -1
     """This host's index with a fixed dist.nnodes (torchrun's static rendezvous at dist.rdzv_endpoint); -1: hosts get their index at the c10d rendezvous."""
     rdzv_endpoint: str = ""

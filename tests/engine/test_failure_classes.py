@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from kaisoku.data.node_cache.cache import NodeCacheError
 from kaisoku.data.shards.records import CorruptRecordError
 from kaisoku.engine.divergence import NonFiniteError
-from kaisoku.engine.failures import Failure, classify, decide, print_failure
+from kaisoku.engine.failures import Failure, classify, decide, mark_run, print_failure
 
 
 class _Damaged(torch.utils.data.Dataset):
@@ -113,3 +114,12 @@ def test_an_unwritable_ram_dir_is_not_damaged_data() -> None:
     failure = classify(error, data="/d")
     assert failure.kind == "error" and failure.cause.startswith("cannot write to data.ram_dir /x")
     assert "inspect" not in failure.hint and "re-pack" not in failure.cause
+
+
+def test_a_run_that_completes_after_a_failed_attempt_drops_that_attempts_cause(tmp_path: Path) -> None:
+    """An elastic restart marks the dead attempt failed; the run that then completes says completed only."""
+    mark_run(tmp_path, status="failed", failure="unknown", cause="rank 0 stopped", exit_code=None, step=7)
+    mark_run(tmp_path, status="completed", ended=1.0)
+    state = json.loads((tmp_path / "run.json").read_text())
+    assert state["status"] == "completed" and state["step"] == 7
+    assert not {"failure", "cause", "exit_code"} & set(state)

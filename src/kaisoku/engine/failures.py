@@ -410,6 +410,11 @@ def mark_run(run_dir: Path, **fields: Any) -> None:
         state = json.loads(path.read_text()) if path.exists() else {}
     except (OSError, ValueError):
         state = {}
+    if fields.get("status") in ("running", "completed"):
+        # A run that goes on (an elastic restart after a rank died) or ends well no longer carries the
+        # cause of an earlier attempt's failure; that history stays in the failure records.
+        for stale in ("failure", "cause", "exit_code"):
+            state.pop(stale, None)
     state.update(fields)
     try:
         atomic_write_text(path, json.dumps(state, indent=1))
