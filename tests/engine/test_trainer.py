@@ -14,7 +14,7 @@ from kaisoku.distributed.layout import ParallelLayout
 from kaisoku.engine.checkpoint import CheckpointManager
 from kaisoku.engine.metrics import MetricsLogger
 from kaisoku.engine.step import DataParallelStep, MicroBatches, Precision
-from kaisoku.engine.trainer import Trainer, TrainSettings
+from kaisoku.engine.trainer import Trainer, TrainSettings, seed_step, step_seed
 
 
 class ListSampler:
@@ -136,6 +136,42 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path: Path) -> None:
     second = _trainer(tmp_path / "c", _data_parallel_engine(_model()), ListSampler(batches), total_steps=6)
     second.load_state_dict(state)
     assert second.state.step == 3 and second.state.step_in_epoch == 3
+    second.fit()
+    second.metrics.close()
+    for pa, pb in zip(straight.unwrapped.parameters(), second.unwrapped.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_seed_step_leaves_the_generator_as_torch_manual_seed_does() -> None:
+    for step in (0, 1, 1000):
+        seed = step_seed(7, step)
+        torch.manual_seed(seed)
+        expected_state, expected_draw = torch.get_rng_state(), torch.rand(5)
+        torch.manual_seed(12345)  # something else first: seed_step must replace it all
+        torch.rand(3)
+        seed_step(seed, torch.device("cpu"))
+        assert torch.equal(torch.get_rng_state(), expected_state)
+        assert torch.equal(torch.rand(5), expected_draw)
+
+
+def test_a_model_with_dropout_resumes_exactly(tmp_path: Path) -> None:
+    """Each step draws its dropout masks from (seed, step): the resumed half draws what the whole run drew."""
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Dropout(0.5), nn.ReLU(), nn.Linear(16, 3))
+
+    batches = _batches(4)
+    straight = _trainer(tmp_path / "a", _data_parallel_engine(model()), ListSampler(batches), total_steps=6)
+    straight.fit()
+    straight.metrics.close()
+    first = _trainer(tmp_path / "b", _data_parallel_engine(model()), ListSampler(batches), total_steps=6)
+    first.run(3)
+    state = first.state_dict()
+    first.metrics.close()
+    second = _trainer(tmp_path / "c", _data_parallel_engine(model()), ListSampler(batches), total_steps=6)
+    second.load_state_dict(state)
+    torch.rand(100)  # what a loader's start-up draws after the resume
     second.fit()
     second.metrics.close()
     for pa, pb in zip(straight.unwrapped.parameters(), second.unwrapped.parameters()):
