@@ -6,22 +6,30 @@ replica count (resharded on load), plain data parallelism, or a single rank with
 and optimizer state are keyed by parameter name, so the parameter order of the reader does not matter.
 A single-file data-parallel checkpoint (whole tensors, the optimizer's own id-keyed state) loads into a
 sharded model too (:func:`load_full_into_sharded`). Folder naming and atomicity are
-:class:`kaisoku.engine.checkpoint.CheckpointManager`'s.
+:class:`kaisoku.engine.checkpoint.CheckpointManager`'s. :func:`read_whole` and :func:`write_whole` move a
+checkpoint between the two forms in one process, with no model and no process group (``kaisoku ckpt
+convert``).
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
 from torch.optim import Optimizer
+
+from kaisoku.errors import KaisokuError
 
 #: The file DCP writes last, once every rank's shards are in place: a folder without it is incomplete.
 METADATA_FILE = ".metadata"
@@ -37,6 +45,38 @@ def save_sharded(state: dict[str, Any], folder: Path) -> None:
     fsynced; rank 0 writes the metadata last. A collective: every rank calls it with its own shards."""
     writer = dcp.FileSystemWriter(folder, sync_files=True, thread_count=1)
     dcp.save(state, storage_writer=writer)
+
+
+def read_whole(folder: Path, scratch: Path) -> dict[str, Any]:
+    """Every tensor and object of the sharded checkpoint ``folder`` as whole tensors (``{"model",
+    "optimizer"}`` as :func:`sharded_state` keyed them), read by one process with no process group.
+
+    ``scratch``: a file path for torch's own converter (``dcp_to_torch_save``) to write the whole state
+    into; it is memory-mapped back, so the state is never held twice in memory, and removed by the caller.
+    """
+    try:
+        dcp_to_torch_save(folder, scratch)
+    except CheckpointException as error:  # a BaseException: each rank's failure wrapped (one rank here)
+        # Each failure is torch's (exception, stack) pair.
+        causes = [
+            failure[0] if isinstance(failure, tuple) else failure for failure in error.failures.values()
+        ]
+        why = ", ".join(sorted({type(cause).__name__ for cause in causes})) or "unknown"
+        raise KaisokuError(
+            f"checkpoint {folder} is corrupt or unreadable ({why} reading its shards)"
+        ) from None
+    return torch.load(scratch, map_location="cpu", weights_only=True, mmap=True)
+
+
+def write_whole(state: dict[str, Any], folder: Path) -> None:
+    """Write ``state`` (whole tensors, keyed as :func:`sharded_state` keys them) into ``folder`` as a sharded
+    checkpoint of one shard, from one process with no process group (what torch's ``torch_save_to_dcp``
+    does, without its unsafe load of a file); any layout reads it as it reads any other."""
+    writer = dcp.FileSystemWriter(folder, sync_files=True, thread_count=1)
+    with warnings.catch_warnings():
+        # One process with no group is the intent here; torch warns that it assumes so.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, storage_writer=writer, no_dist=True)
 
 
 def _read_into(folder: str | Path, model: nn.Module, optimizer: Optimizer) -> tuple[dict, dict]:

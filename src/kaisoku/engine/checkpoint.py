@@ -125,12 +125,7 @@ class CheckpointManager:
                 f"could not write checkpoint {path}: {error.strerror}; free space or change --run-dir"
             ) from None
         if main:
-            rest = {key: value for key, value in state.items() if key not in ("model", "optimizer")}
-            buffer = io.BytesIO()
-            torch.save({**rest, "sharded": True}, buffer)
-            with atomic_open(tmp / TRAINER_FILE, "wb") as handle:
-                handle.write(buffer.getbuffer())
-            fsync_dir(tmp)
+            write_trainer_file(tmp, state)
             if self.before_rename is not None:
                 self.before_rename(tmp)
             replaced = self.directory / f".{path.name}.old.tmp"
@@ -180,8 +175,23 @@ class CheckpointManager:
         return None
 
 
+def write_trainer_file(folder: Path, state: dict[str, Any]) -> None:
+    """Write ``TRAINER_FILE`` (``state`` but its model and optimizer, marked sharded) into the sharded
+    checkpoint folder ``folder`` atomically, then fsync the folder: the step before its rename."""
+    rest = {key: value for key, value in state.items() if key not in ("model", "optimizer", "sharded_dir")}
+    buffer = io.BytesIO()
+    torch.save({**rest, "sharded": True}, buffer)
+    with atomic_open(folder / TRAINER_FILE, "wb") as handle:
+        handle.write(buffer.getbuffer())
+    fsync_dir(folder)
+
+
 def _load_sharded(path: Path) -> dict[str, Any]:
     """A sharded checkpoint's ``trainer.pt``, checked, with ``sharded_dir`` set to the folder."""
+    if not (path / METADATA_FILE).is_file() and not (path / TRAINER_FILE).is_file():
+        raise KaisokuError(
+            f"{path} is not a kaisoku checkpoint (a folder without {METADATA_FILE} or {TRAINER_FILE})"
+        )
     if not (path / METADATA_FILE).is_file():
         raise KaisokuError(f"checkpoint {path} is incomplete (no {METADATA_FILE})")
     try:
