@@ -1,6 +1,7 @@
 """Sharded data parallelism (FSDP2 per block) on real 2-rank gloo groups: it trains through the trainer, it
 matches DDP, LARS/LAMB on shards match unsharded, sharded checkpoints move between layouts, and ``kaisoku
-ckpt convert`` turns them into one file (and back) that resumes bit-identically."""
+ckpt convert`` turns them into one file (and back) that resumes bit-identically; ``checkpoint.async_save`` writes
+the same checkpoint while training goes on."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from kaisoku.cli import main
 from kaisoku.config import Config
 from kaisoku.data.datagen import generate
 from kaisoku.distributed.env import World
-from kaisoku.distributed.sharded_checkpoint import sharded_state
+from kaisoku.distributed.sharded_checkpoint import read_whole, sharded_state
 from kaisoku.engine.build import build_trainer
 from kaisoku.engine.checkpoint import CheckpointManager
 from tests.dist_harness import run_ranks
@@ -308,3 +309,39 @@ def test_convert_refuses_bad_sources(
     # An existing destination is never overwritten.
     assert main_exit(["ckpt", "convert", str(shard_at_two["checkpoint"]), str(junk)]) == 2
     assert "exists; remove it" in capsys.readouterr().err and junk.read_bytes() == b"not a checkpoint"
+
+
+@pytest.mark.timeout(600)
+def test_async_save_writes_the_same_checkpoint_and_resumes(
+    tmp_path: Path, tiny_data: Path, straight: dict[str, dict], shard_at_two: dict
+) -> None:
+    background = {**SHARD, "checkpoint__every_steps": 2, "checkpoint__async_save": True}
+    run = tmp_path / "run"
+    result = run_ranks(_train, 2, tmp_path / "a", tiny_data, run, 0, "", background, timeout=240)
+    _close(straight["shard"], result[0], 0.0)  # writing in the background does not touch training
+    checkpoints = run / "checkpoints"
+    # Both folders were renamed into place (the last one before the run ended); no temp folder is left.
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002", "step-00000004"]
+    # The step-2 checkpoint holds what a synchronous save wrote, though training went on while it was written.
+    written, expected = (
+        read_whole(folder, tmp_path / f"{name}.whole")
+        for name, folder in (("async", checkpoints / "step-00000002"), ("sync", shard_at_two["checkpoint"]))
+    )
+    assert _same(expected, written)
+    trainer, trainer_sync = (
+        CheckpointManager.load(folder)
+        for folder in (checkpoints / "step-00000002", shard_at_two["checkpoint"])
+    )
+    assert (
+        trainer["config"]["checkpoint"]["async_save"]
+        and not trainer_sync["config"]["checkpoint"]["async_save"]
+    )
+    for state in (trainer, trainer_sync):
+        del state["config"], state["sharded_dir"]
+    assert _same(trainer_sync, trainer)
+    # Resumed from it (saving in the background again): bitwise the uninterrupted run.
+    shutil.rmtree(checkpoints / "step-00000004")
+    resumed = run_ranks(_train, 2, tmp_path / "r", tiny_data, run, 0, "auto", background, timeout=240)
+    assert resumed[0]["summary"]["steps"] == 4
+    _close(straight["shard"], resumed[0], 0.0)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002", "step-00000004"]

@@ -8,16 +8,18 @@ A single-file data-parallel checkpoint (whole tensors, the optimizer's own id-ke
 sharded model too (:func:`load_full_into_sharded`). Folder naming and atomicity are
 :class:`kaisoku.engine.checkpoint.CheckpointManager`'s. :func:`read_whole` and :func:`write_whole` move a
 checkpoint between the two forms in one process, with no model and no process group (``kaisoku ckpt
-convert``).
+convert``). :class:`BackgroundSaver` writes the shards while training goes on (``checkpoint.async_save``).
 """
 
 from __future__ import annotations
 
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -45,6 +47,29 @@ def save_sharded(state: dict[str, Any], folder: Path) -> None:
     fsynced; rank 0 writes the metadata last. A collective: every rank calls it with its own shards."""
     writer = dcp.FileSystemWriter(folder, sync_files=True, thread_count=1)
     dcp.save(state, storage_writer=writer)
+
+
+class BackgroundSaver:
+    """Sharded saves that run in a background thread (``dcp.async_save``) while training goes on.
+
+    The state is first copied into fresh CPU memory (DCP's staging, before :meth:`start` returns), so the
+    steps that follow do not change what is written. The save's own collectives (planning, the metadata)
+    run over a gloo group of their own, created on the first save: on the training group they would
+    interleave with the step's collectives from another thread.
+    """
+
+    def __init__(self) -> None:
+        self._group: dist.ProcessGroup | None = None
+
+    def start(self, state: dict[str, Any], folder: Path) -> Future:
+        """Begin writing ``state`` into ``folder`` (a collective, as :func:`save_sharded`); the future is done
+        once this rank's shards are written, and on rank 0 once the metadata is too."""
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        writer = dcp.FileSystemWriter(folder, sync_files=True, thread_count=1)
+        started = dcp.async_save(state, storage_writer=writer, process_group=self._group)
+        # A stager that stages asynchronously answers with two futures; the write's is the one to wait for.
+        return started if isinstance(started, Future) else started.upload_completion
 
 
 def read_whole(folder: Path, scratch: Path) -> dict[str, Any]:
