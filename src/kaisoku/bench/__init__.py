@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, str] = {
     "plan": "kaisoku.bench.plan",
     "vit": "kaisoku.bench.vit",
     "cosmoflow": "kaisoku.bench.cosmoflow",
+    "shard": "kaisoku.bench.shard",
 }
 
 #: Where recorded results live, relative to a checkout.
