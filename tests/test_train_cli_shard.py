@@ -62,3 +62,19 @@ def test_sharded_train_and_kill_during_sharded_save(tmp_path: Path, tiny_data: P
     assert f"resumed from {checkpoints / 'step-00000002'} at step 2" in resumed.stdout
     assert not (checkpoints / ".step-00000004.tmp").exists()
     assert [p.name for p in manager.list()] == ["step-00000002", "step-00000004"]
+
+
+@pytest.mark.timeout(120)
+def test_async_save_without_sharding_is_refused_before_launch(tmp_path: Path, tiny_data: Path) -> None:
+    run_dir = tmp_path / "run"
+    refused = subprocess.run(
+        train_args(tiny_data, run_dir, "--checkpoint.async-save", "true"),
+        capture_output=True, text=True, timeout=100, env=train_env(),
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr
+    lines = refused.stderr.strip().splitlines()
+    assert lines == [
+        "kaisoku: error: checkpoint.async_save writes sharded checkpoints in the background and needs "
+        "parallel.shard grad or full (a single-file checkpoint is written by rank 0 as it is)"
+    ]
+    assert not run_dir.exists()

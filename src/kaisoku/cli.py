@@ -360,6 +360,31 @@ def cmd_plan(argv: Sequence[str]) -> int:
     return run(argv)
 
 
+def cmd_ckpt(argv: Sequence[str]) -> int:
+    """``kaisoku ckpt convert SRC DEST``."""
+    from pathlib import Path
+
+    # start-up: each command imports only what it runs
+    from kaisoku.engine.ckpt_convert import convert_checkpoint
+
+    parser = CommandParser(prog="kaisoku ckpt", description="Work on checkpoints.")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    convert = actions.add_parser(
+        "convert",
+        help="sharded checkpoint folder <-> single-file checkpoint",
+        description=(
+            "Convert a sharded checkpoint folder (step-XXXXXXXX/, written under --parallel.shard) into one "
+            "single-file checkpoint (step-XXXXXXXX.pt), or a single-file checkpoint into a sharded folder. "
+            "Either resumes the same run exactly with --resume DEST, on any layout."
+        ),
+    )
+    convert.add_argument("src", help="a checkpoint folder or .pt file")
+    convert.add_argument("dest", help="where the other form goes (must not exist)")
+    args = parser.parse_args(list(argv))
+    print(convert_checkpoint(Path(args.src), Path(args.dest)))
+    return 0
+
+
 _COMMANDS = {
     "train": cmd_train,
     "pack": cmd_pack,
@@ -369,6 +394,7 @@ _COMMANDS = {
     "report": cmd_report,
     "probe": cmd_probe,
     "plan": cmd_plan,
+    "ckpt": cmd_ckpt,
 }
 
 _SUMMARIES = {
@@ -380,6 +406,7 @@ _SUMMARIES = {
     "report": "write RUN_DIR/report.html: a run's plots, events, config and environment",
     "probe": "measure a file system and this node's disk and RAM into a cluster profile",
     "plan": "predict epoch time of each data strategy on a cluster and recommend one",
+    "ckpt": "convert a sharded checkpoint folder into one file, or back (kaisoku ckpt convert SRC DEST)",
 }
 """One line per command for ``kaisoku --help``."""
 

@@ -282,6 +282,8 @@ class CheckpointConfig:
     """How many of the newest checkpoints to keep."""
     resume: str = ""
     """Resume from: "" (no), "auto" (the newest valid checkpoint in the run dir) or a checkpoint file."""
+    async_save: bool = False
+    """Sharded checkpoints (parallel.shard grad or full): write the shards in the background while training goes on; the step folder appears once complete (at the next save or the end of training)."""
 
 
 @dataclass(kw_only=True)

@@ -406,6 +406,11 @@ def _check_shard(cfg: Config, world: WorldShape | None, hybrid: bool) -> tuple[i
     par = cfg.parallel
     size = world.world_size if world is not None else None
     if par.shard == "none":
+        if cfg.checkpoint.async_save:
+            raise ConfigError(
+                "checkpoint.async_save writes sharded checkpoints in the background and needs parallel.shard "
+                "grad or full (a single-file checkpoint is written by rank 0 as it is)"
+            )
         if par.dp_replicate != 1:
             raise ConfigError(
                 f"parallel.dp_replicate {par.dp_replicate} needs parallel.shard grad or full (without "

@@ -100,6 +100,15 @@ GOALS: dict[str, set[str]] = {
 }
 
 
+GOALS["shard"] = {
+    "largest_params_full_vs_ddp_at_4_ranks",
+    "step_time_vs_minimal_fully_shard",
+    "sharded_save_vs_rank0_torch_save",
+    "sharded_vs_ddp_weight_diff_over_tolerance",
+    "lars_sharded_vs_unsharded_diff_over_tolerance",
+}
+
+
 def test_every_registered_benchmark_has_a_quick_test() -> None:
     assert set(GOALS) == set(BENCHMARKS)
 

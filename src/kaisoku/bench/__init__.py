@@ -45,6 +45,7 @@ BENCHMARKS: dict[str, str] = {
     "vit": "kaisoku.bench.vit",
     "cosmoflow": "kaisoku.bench.cosmoflow",
     "cluster": "kaisoku.bench.cluster",
+    "shard": "kaisoku.bench.shard",
 }
 
 #: Benchmarks made of cases that ``--case`` may pick one of.

@@ -6,22 +6,32 @@ replica count (resharded on load), plain data parallelism, or a single rank with
 and optimizer state are keyed by parameter name, so the parameter order of the reader does not matter.
 A single-file data-parallel checkpoint (whole tensors, the optimizer's own id-keyed state) loads into a
 sharded model too (:func:`load_full_into_sharded`). Folder naming and atomicity are
-:class:`kaisoku.engine.checkpoint.CheckpointManager`'s.
+:class:`kaisoku.engine.checkpoint.CheckpointManager`'s. :func:`read_whole` and :func:`write_whole` move a
+checkpoint between the two forms in one process, with no model and no process group (``kaisoku ckpt
+convert``). :class:`BackgroundSaver` writes the shards while training goes on (``checkpoint.async_save``).
 """
 
 from __future__ import annotations
 
+import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
 from torch.optim import Optimizer
+
+from kaisoku.errors import KaisokuError
 
 #: The file DCP writes last, once every rank's shards are in place: a folder without it is incomplete.
 METADATA_FILE = ".metadata"
@@ -37,6 +47,61 @@ def save_sharded(state: dict[str, Any], folder: Path) -> None:
     fsynced; rank 0 writes the metadata last. A collective: every rank calls it with its own shards."""
     writer = dcp.FileSystemWriter(folder, sync_files=True, thread_count=1)
     dcp.save(state, storage_writer=writer)
+
+
+class BackgroundSaver:
+    """Sharded saves that run in a background thread (``dcp.async_save``) while training goes on.
+
+    The state is first copied into fresh CPU memory (DCP's staging, before :meth:`start` returns), so the
+    steps that follow do not change what is written. The save's own collectives (planning, the metadata)
+    run over a gloo group of their own, created on the first save: on the training group they would
+    interleave with the step's collectives from another thread.
+    """
+
+    def __init__(self) -> None:
+        self._group: dist.ProcessGroup | None = None
+
+    def start(self, state: dict[str, Any], folder: Path) -> Future:
+        """Begin writing ``state`` into ``folder`` (a collective, as :func:`save_sharded`); the future is done
+        once this rank's shards are written, and on rank 0 once the metadata is too."""
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        writer = dcp.FileSystemWriter(folder, sync_files=True, thread_count=1)
+        started = dcp.async_save(state, storage_writer=writer, process_group=self._group)
+        # A stager that stages asynchronously answers with two futures; the write's is the one to wait for.
+        return started if isinstance(started, Future) else started.upload_completion
+
+
+def read_whole(folder: Path, scratch: Path) -> dict[str, Any]:
+    """Every tensor and object of the sharded checkpoint ``folder`` as whole tensors (``{"model",
+    "optimizer"}`` as :func:`sharded_state` keyed them), read by one process with no process group.
+
+    ``scratch``: a file path for torch's own converter (``dcp_to_torch_save``) to write the whole state
+    into; it is memory-mapped back, so the state is never held twice in memory, and removed by the caller.
+    """
+    try:
+        dcp_to_torch_save(folder, scratch)
+    except CheckpointException as error:  # a BaseException: each rank's failure wrapped (one rank here)
+        # Each failure is torch's (exception, stack) pair.
+        causes = [
+            failure[0] if isinstance(failure, tuple) else failure for failure in error.failures.values()
+        ]
+        why = ", ".join(sorted({type(cause).__name__ for cause in causes})) or "unknown"
+        raise KaisokuError(
+            f"checkpoint {folder} is corrupt or unreadable ({why} reading its shards)"
+        ) from None
+    return torch.load(scratch, map_location="cpu", weights_only=True, mmap=True)
+
+
+def write_whole(state: dict[str, Any], folder: Path) -> None:
+    """Write ``state`` (whole tensors, keyed as :func:`sharded_state` keys them) into ``folder`` as a sharded
+    checkpoint of one shard, from one process with no process group (what torch's ``torch_save_to_dcp``
+    does, without its unsafe load of a file); any layout reads it as it reads any other."""
+    writer = dcp.FileSystemWriter(folder, sync_files=True, thread_count=1)
+    with warnings.catch_warnings():
+        # One process with no group is the intent here; torch warns that it assumes so.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, storage_writer=writer, no_dist=True)
 
 
 def _read_into(folder: str | Path, model: nn.Module, optimizer: Optimizer) -> tuple[dict, dict]:

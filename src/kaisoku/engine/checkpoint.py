@@ -5,6 +5,8 @@ pipeline), and ``step-XXXXXXXX/``, a folder of shards every rank writes (``paral
 optimizer through :mod:`kaisoku.distributed.sharded_checkpoint`, the rest of the trainer's state in
 ``trainer.pt`` by rank 0). A folder is written as ``.step-XXXXXXXX.tmp/`` and renamed once its metadata
 and ``trainer.pt`` are on disk, so a listed folder is always complete; older ones are removed only after.
+Shards may be written in the background while training goes on (``checkpoint.async_save``): the folder is
+then renamed when the next save, a rollback or the end of training finds the write complete.
 Either kind loads into any engine.
 """
 
@@ -16,13 +18,15 @@ import re
 import shutil
 import sys
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kaisoku.distributed import env
-from kaisoku.distributed.sharded_checkpoint import METADATA_FILE, save_sharded
+from kaisoku.distributed.sharded_checkpoint import METADATA_FILE, BackgroundSaver, save_sharded
 from kaisoku.errors import KaisokuError
 from kaisoku.fsutil import atomic_open, fsync_dir
 
@@ -59,6 +63,8 @@ class CheckpointManager:
         self.before_rename = before_rename
         self.sharded = sharded
         """Every rank writes its shards (:meth:`save` is then a collective), else rank 0 writes one file."""
+        self._saver: BackgroundSaver | None = None
+        self._pending: _PendingSave | None = None
 
     def path_for(self, step: int) -> Path:
         """The file (or, sharded, the folder) of the checkpoint taken after optimizer step ``step``."""
@@ -76,20 +82,23 @@ class CheckpointManager:
         return sorted(found, key=lambda p: (_step(p), p.name))
 
     def remove_partial(self) -> None:
-        """Delete temp files and folders that a killed writer left behind."""
+        """Delete temp files and folders that a killed writer left behind (a save of this process still in
+        flight is finished first)."""
+        self.wait()
         if self.directory.is_dir():
             for path in self.directory.glob(".step-*.tmp"):
                 remove(path)
 
-    def save(self, state: dict[str, Any], *, is_main: bool = True) -> Path:
+    def save(self, state: dict[str, Any], *, is_main: bool = True, background: bool = False) -> Path:
         """Write ``state`` atomically, then drop all but the newest K; the checkpoint's path.
 
         One file: rank 0 alone calls it (temp file + fsync + rename). Sharded: every rank calls it with its
-        own shards, ``is_main`` on rank 0 (see :meth:`_save_sharded`).
+        own shards, ``is_main`` on rank 0 (see :meth:`_save_sharded`); with ``background`` the shards are
+        written while training goes on and the path appears once :meth:`wait` has seen them complete.
         """
         state = {**state, "format": FORMAT_VERSION}
         if self.sharded:
-            return self._save_sharded(state, is_main)
+            return self._save_sharded(state, is_main, background)
         path = self.path_for(int(state["step"]))
         # Serialise in memory first: a full disk then fails as a plain write error, not inside torch's
         # zip writer, and the temp file is removed by atomic_open.
@@ -99,9 +108,7 @@ class CheckpointManager:
             with atomic_open(path, "wb", before_rename=self.before_rename) as handle:
                 handle.write(buffer.getbuffer())
         except OSError as error:
-            raise KaisokuError(
-                f"could not write checkpoint {path}: {error.strerror}; free space or change --run-dir"
-            ) from None
+            raise _write_error(path, error) from None
         self._prune()
         return path
 
@@ -109,38 +116,62 @@ class CheckpointManager:
         for old in self.list()[: -self.keep]:
             remove(old)
 
-    def _save_sharded(self, state: dict[str, Any], main: bool) -> Path:
+    def _save_sharded(self, state: dict[str, Any], main: bool, background: bool) -> Path:
         """Every rank writes its shards into ``.step-X.tmp/``; DCP writes the metadata once all are in; rank 0
-        adds ``trainer.pt`` (the rest of the state), fsyncs, renames the folder to ``step-X`` and prunes."""
+        adds ``trainer.pt`` (the rest of the state), fsyncs, renames the folder to ``step-X`` and prunes.
+
+        ``background``: the shards are written by a thread while training goes on; the folder is renamed
+        by :meth:`wait` (at the next save, a rollback or the end of training).
+        """
+        self.wait()  # one save at a time: the one in flight is published first
         path = self.path_for(int(state["step"]))
         tmp = self.directory / f".{path.name}.tmp"
         if main:
             remove(tmp)  # a killed writer's leftovers under this step's name
             tmp.mkdir(parents=True)
         env.barrier()
+        shards = {"model": state["model"], "optimizer": state["optimizer"]}
+        if background:
+            if main:  # the trainer's state is small: written now, as it is at this step
+                write_trainer_file(tmp, state)
+            if self._saver is None:
+                self._saver = BackgroundSaver()
+            self._pending = _PendingSave(path, tmp, main, self._saver.start(shards, tmp))
+            return path
         try:
-            save_sharded({"model": state["model"], "optimizer": state["optimizer"]}, tmp)
+            save_sharded(shards, tmp)
         except OSError as error:
-            raise KaisokuError(
-                f"could not write checkpoint {path}: {error.strerror}; free space or change --run-dir"
-            ) from None
+            raise _write_error(path, error) from None
         if main:
-            rest = {key: value for key, value in state.items() if key not in ("model", "optimizer")}
-            buffer = io.BytesIO()
-            torch.save({**rest, "sharded": True}, buffer)
-            with atomic_open(tmp / TRAINER_FILE, "wb") as handle:
-                handle.write(buffer.getbuffer())
-            fsync_dir(tmp)
-            if self.before_rename is not None:
-                self.before_rename(tmp)
-            replaced = self.directory / f".{path.name}.old.tmp"
-            if path.exists():  # the same step written again (after a rollback): move the old one aside
-                os.replace(path, replaced)
-            os.replace(tmp, path)
-            fsync_dir(self.directory)
-            remove(replaced)
-            self._prune()
+            write_trainer_file(tmp, state)
+            self._publish(path, tmp)
         return path
+
+    def wait(self) -> None:
+        """Finish the background save in flight, if any: wait until its shards and metadata are written, then
+        (rank 0) rename its folder into place and prune. Every rank calls it before its process ends."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.done.result()
+        except OSError as error:
+            raise _write_error(pending.path, error) from None
+        if pending.main:
+            self._publish(pending.path, pending.tmp)
+
+    def _publish(self, path: Path, tmp: Path) -> None:
+        """Rename the complete folder ``tmp`` to ``path`` (replacing an older one of the same step), prune."""
+        fsync_dir(tmp)
+        if self.before_rename is not None:
+            self.before_rename(tmp)
+        replaced = self.directory / f".{path.name}.old.tmp"
+        if path.exists():  # the same step written again (after a rollback): move the old one aside
+            os.replace(path, replaced)
+        os.replace(tmp, path)
+        fsync_dir(self.directory)
+        remove(replaced)
+        self._prune()
 
     @staticmethod
     def load(path: Path) -> dict[str, Any]:
@@ -180,8 +211,23 @@ class CheckpointManager:
         return None
 
 
+def write_trainer_file(folder: Path, state: dict[str, Any]) -> None:
+    """Write ``TRAINER_FILE`` (``state`` but its model and optimizer, marked sharded) into the sharded
+    checkpoint folder ``folder`` atomically, then fsync the folder: the step before its rename."""
+    rest = {key: value for key, value in state.items() if key not in ("model", "optimizer", "sharded_dir")}
+    buffer = io.BytesIO()
+    torch.save({**rest, "sharded": True}, buffer)
+    with atomic_open(folder / TRAINER_FILE, "wb") as handle:
+        handle.write(buffer.getbuffer())
+    fsync_dir(folder)
+
+
 def _load_sharded(path: Path) -> dict[str, Any]:
     """A sharded checkpoint's ``trainer.pt``, checked, with ``sharded_dir`` set to the folder."""
+    if not (path / METADATA_FILE).is_file() and not (path / TRAINER_FILE).is_file():
+        raise KaisokuError(
+            f"{path} is not a kaisoku checkpoint (a folder without {METADATA_FILE} or {TRAINER_FILE})"
+        )
     if not (path / METADATA_FILE).is_file():
         raise KaisokuError(f"checkpoint {path} is incomplete (no {METADATA_FILE})")
     try:
@@ -198,6 +244,22 @@ def _load_sharded(path: Path) -> dict[str, Any]:
             f"checkpoint {path} has format {state['format']}, this kaisoku reads {FORMAT_VERSION}"
         )
     return {**state, "sharded_dir": str(path)}
+
+
+@dataclass(frozen=True)
+class _PendingSave:
+    """A background save in flight: its final path, its temp folder, whether this rank renames it."""
+
+    path: Path
+    tmp: Path
+    main: bool
+    done: Future
+
+
+def _write_error(path: Path, error: OSError) -> KaisokuError:
+    return KaisokuError(
+        f"could not write checkpoint {path}: {error.strerror}; free space or change --run-dir"
+    )
 
 
 def _step(path: Path) -> int:

@@ -233,8 +233,9 @@ class Trainer:
         start = time.perf_counter()
         state = self.state_dict()
         path: Path | None = None
-        if self.checkpoints.sharded:  # every rank writes its own shards
-            path = self.checkpoints.save(state, is_main=self.world.is_main)
+        if self.checkpoints.sharded:  # every rank writes its own shards, with async_save in the background
+            background = bool(self.config_dict.get("checkpoint", {}).get("async_save", False))
+            path = self.checkpoints.save(state, is_main=self.world.is_main, background=background)
             path = path if self.world.is_main else None
         elif self.world.is_main:
             path = self.checkpoints.save(state)
@@ -502,6 +503,8 @@ class Trainer:
             self._log_data_stats()
         val = self._run_validation()
         self.save_checkpoint()
+        if self.checkpoints is not None:
+            self.checkpoints.wait()  # a background save's folder appears before the run ends
         steps_run = self.state.step - start_step
         extra: dict[str, Any] = {key: self.data_totals[key] for key in sorted(self.data_totals)}
         if self.guard is not None and self.settings.on_nonfinite == "skip":

@@ -1,0 +1,115 @@
+"""``kaisoku ckpt convert SRC DEST``: a sharded checkpoint folder into one single-file checkpoint, and back.
+
+Both forms hold the same state and resume the same run bit-identically on any layout. A folder
+(``step-XXXXXXXX/``: model and optimizer shards plus ``trainer.pt``) becomes a file (``step-XXXXXXXX.pt``)
+holding whole tensors and the optimizer's own numbered state dict, as a data-parallel run writes it; a file
+becomes a folder of one shard that any shard layout reads. Torch's converters do the shard I/O
+(:mod:`kaisoku.distributed.sharded_checkpoint`); this module moves the optimizer state between its numbered
+and named forms (parameter names come from the ``param_names`` every kaisoku optimizer group lists) and
+keeps the rest of the trainer's state (data order, RNG, step, scheduler) as it is. DEST appears only when
+complete: a file through temp + fsync + rename, a folder written as ``.DEST.tmp`` and renamed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kaisoku.distributed.named_state import named_from_torch_optimizer_state
+from kaisoku.distributed.sharded_checkpoint import read_whole, write_whole
+from kaisoku.engine.checkpoint import CheckpointManager, remove, write_trainer_file
+from kaisoku.errors import ConfigError, KaisokuError
+from kaisoku.fsutil import atomic_open, fsync_dir, write_failure
+
+_PROG = "kaisoku ckpt convert"
+
+
+def numbered_optimizer_state(named: dict[str, Any]) -> dict[str, Any]:
+    """A sharded checkpoint's optimizer state (parameters named) as ``Optimizer.state_dict()`` numbers them:
+    in group order, from 0."""
+    index: dict[str, int] = {}
+    groups = []
+    for group in named["param_groups"]:
+        ids = [index.setdefault(name, len(index)) for name in group["params"]]
+        groups.append({**group, "params": ids})
+    return {"state": {index[name]: slots for name, slots in named["state"].items()}, "param_groups": groups}
+
+
+def named_optimizer_state(numbered: dict[str, Any]) -> dict[str, Any]:
+    """``Optimizer.state_dict()`` in the form a sharded checkpoint holds it: parameters named, each group
+    still listing its ``param_names`` (what the reading optimizer's own groups hold)."""
+    named = named_from_torch_optimizer_state(numbered)
+    return {
+        "state": named["state"],
+        "param_groups": [{**group, "param_names": list(group["params"])} for group in named["param_groups"]],
+    }
+
+
+def convert_checkpoint(source: Path, destination: Path) -> str:
+    """Convert the checkpoint ``source`` (folder or file) into the other form at ``destination``; one line
+    saying what was written. ConfigError (exit 2) for a ``source`` that is not a complete kaisoku checkpoint
+    or a ``destination`` that exists."""
+    if not source.exists():
+        raise ConfigError(f"{_PROG}: {source} does not exist; give a checkpoint folder or .pt file")
+    if destination.exists():
+        raise ConfigError(f"{_PROG}: {destination} exists; remove it or choose another destination")
+    try:
+        state = CheckpointManager.load(source)
+    except KaisokuError as error:
+        raise ConfigError(f"{_PROG}: {error}") from None
+    step = int(state["step"])
+    if source.is_dir():
+        _to_single_file(source, state, destination)
+        return (
+            f"wrote single-file checkpoint {destination} (step {step}) from the sharded checkpoint {source}"
+        )
+    if "layout" in state:
+        raise ConfigError(
+            f"{_PROG}: {source} was written under pipeline parallelism; only data-parallel and sharded "
+            "checkpoints convert (resume it with its own parallel settings)"
+        )
+    try:
+        optimizer = named_optimizer_state(state["optimizer"])
+    except KaisokuError as error:
+        raise ConfigError(f"{_PROG}: {source}: {error}") from None
+    _to_folder(state, optimizer, destination)
+    return f"wrote sharded checkpoint {destination} (step {step}) from the single-file checkpoint {source}"
+
+
+def _to_single_file(source: Path, state: dict[str, Any], destination: Path) -> None:
+    """The shards of ``source`` read whole, written with ``state`` (its ``trainer.pt``) as one file."""
+    scratch = destination.parent / f".{destination.name}.whole.tmp"
+    rest = {key: value for key, value in state.items() if key not in ("sharded", "sharded_dir")}
+    try:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            whole = read_whole(source, scratch)
+        except KaisokuError as error:  # a missing or damaged shard file
+            raise ConfigError(f"{_PROG}: {error}") from None
+        single = {"model": whole["model"], "optimizer": numbered_optimizer_state(whole["optimizer"]), **rest}
+        with atomic_open(destination, "wb") as handle:
+            torch.save(single, handle)
+    except OSError as error:
+        raise write_failure(error, destination, "the converted checkpoint") or error from None
+    finally:
+        scratch.unlink(missing_ok=True)
+
+
+def _to_folder(state: dict[str, Any], optimizer: dict[str, Any], destination: Path) -> None:
+    """``state`` as a sharded checkpoint folder of one shard (written as ``.DEST.tmp``, then renamed)."""
+    tmp = destination.parent / f".{destination.name}.tmp"
+    try:
+        remove(tmp)  # a killed conversion's leftovers
+        tmp.mkdir(parents=True)
+        write_whole({"model": state["model"], "optimizer": optimizer}, tmp)
+        write_trainer_file(tmp, state)
+        os.replace(tmp, destination)
+        fsync_dir(destination.parent)
+    except BaseException as error:
+        remove(tmp)
+        if isinstance(error, OSError):
+            raise write_failure(error, destination, "the converted checkpoint") or error from None
+        raise
