@@ -69,6 +69,7 @@ def test_mesh_shape_arithmetic() -> None:
         ({"parallel__shard": "full", "dist__compress": "bf16"}, "dist.compress"),
         ({"parallel__shard": "full", "memory__recompute": "blocks"}, "memory.recompute"),
         ({"parallel__shard": "full", "memory__budget": "0.5"}, "memory.recompute / compress"),
+        ({"checkpoint__async_save": True}, "checkpoint.async_save writes sharded checkpoints"),
     ],
 )
 def test_refusals_are_one_line(overrides: dict, message: str) -> None:

@@ -418,7 +418,10 @@ def build_trainer(
         device=device,
         metrics=metrics,
         checkpoints=CheckpointManager(
-            run_dir / "checkpoints", keep=cfg.checkpoint.keep, sharded=plan.shard != "none"
+            run_dir / "checkpoints",
+            keep=cfg.checkpoint.keep,
+            sharded=plan.shard != "none",
+            background=cfg.checkpoint.async_save,
         ),
         config_dict=to_dict(cfg),
         guard=guard,

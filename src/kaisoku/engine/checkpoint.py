@@ -48,6 +48,8 @@ class CheckpointManager:
         before_rename: called with the temp file's path once the checkpoint is completely written and
             fsynced, just before it is renamed into place; an exception it raises aborts the save and
             removes the temp file. Tests use it to stop or kill a writer at that moment.
+        sharded: every rank writes its own shards (a folder per checkpoint).
+        background: sharded saves write their shards while training goes on (``checkpoint.async_save``).
     """
 
     def __init__(
@@ -57,12 +59,15 @@ class CheckpointManager:
         keep: int,
         before_rename: Callable[[Path], None] | None = None,
         sharded: bool = False,
+        background: bool = False,
     ) -> None:
         self.directory = directory
         self.keep = keep
         self.before_rename = before_rename
         self.sharded = sharded
         """Every rank writes its shards (:meth:`save` is then a collective), else rank 0 writes one file."""
+        self.background = background and sharded
+        """Sharded saves write in the background; :meth:`wait` publishes them."""
         self._saver: BackgroundSaver | None = None
         self._pending: _PendingSave | None = None
 
@@ -89,16 +94,16 @@ class CheckpointManager:
             for path in self.directory.glob(".step-*.tmp"):
                 remove(path)
 
-    def save(self, state: dict[str, Any], *, is_main: bool = True, background: bool = False) -> Path:
+    def save(self, state: dict[str, Any], *, is_main: bool = True) -> Path:
         """Write ``state`` atomically, then drop all but the newest K; the checkpoint's path.
 
         One file: rank 0 alone calls it (temp file + fsync + rename). Sharded: every rank calls it with its
-        own shards, ``is_main`` on rank 0 (see :meth:`_save_sharded`); with ``background`` the shards are
+        own shards, ``is_main`` on rank 0 (see :meth:`_save_sharded`); with :attr:`background` the shards are
         written while training goes on and the path appears once :meth:`wait` has seen them complete.
         """
         state = {**state, "format": FORMAT_VERSION}
         if self.sharded:
-            return self._save_sharded(state, is_main, background)
+            return self._save_sharded(state, is_main, self.background)
         path = self.path_for(int(state["step"]))
         # Serialise in memory first: a full disk then fails as a plain write error, not inside torch's
         # zip writer, and the temp file is removed by atomic_open.

@@ -38,6 +38,7 @@ NON_TRAJECTORY_KEYS: frozenset[str] = frozenset(
         "checkpoint.resume",
         "checkpoint.keep",
         "checkpoint.every_steps",
+        "checkpoint.async_save",  # when shards are written, not what they hold
         "train.max_steps",  # stops early only: the schedule spans train.epochs
         "train.log_every",
         "train.val_every",  # validation reads the model, it does not change it

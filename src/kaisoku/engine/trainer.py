@@ -233,9 +233,8 @@ class Trainer:
         start = time.perf_counter()
         state = self.state_dict()
         path: Path | None = None
-        if self.checkpoints.sharded:  # every rank writes its own shards, with async_save in the background
-            background = bool(self.config_dict.get("checkpoint", {}).get("async_save", False))
-            path = self.checkpoints.save(state, is_main=self.world.is_main, background=background)
+        if self.checkpoints.sharded:  # every rank writes its own shards (in the background with async_save)
+            path = self.checkpoints.save(state, is_main=self.world.is_main)
             path = path if self.world.is_main else None
         elif self.world.is_main:
             path = self.checkpoints.save(state)
