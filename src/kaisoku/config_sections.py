@@ -347,6 +347,8 @@ class MemoryConfig:
     """Memory one training step may add to what the run holds between steps (activations, gradients, temporaries): a size (2GiB) or a fraction of the GPU's or host's memory (0.5). Profiles one step, then picks keep/compress/recompute/offload per block with the least added time; logged and written to metrics.jsonl."""
     policy: str = ""
     """Force a technique per block, e.g. "0-2:recompute,5:compress" (keep, compress, int8, recompute, offload); with memory.budget the planner chooses the other blocks."""
+    allow_shard: bool = True
+    """With memory.budget on 2+ data-parallel ranks (parallel.shard none): the planner may choose parallel.shard full instead of activation techniques, when it fits the budget and its measured all-gather + reduce-scatter time is less than the cheapest per-block plan's; false: per-block plans only."""
 
 
 PrecisionMode = Literal["fp32", "bf16", "fp16", "int8-stats", "int16-stats", "fp8-stats"]

@@ -9,6 +9,7 @@ precision (:func:`build_model_for`), the step engine (:func:`build_data_parallel
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from kaisoku.config import Config, to_dict
 from kaisoku.data.loading.loader import ShardLoader
 from kaisoku.distributed import env
 from kaisoku.distributed.data_parallel import BucketPlan, wrap_ddp
+from kaisoku.distributed.gather_time import gather_scatter_seconds
 from kaisoku.distributed.mesh import build_data_mesh
 from kaisoku.distributed.pipeline import HybridOptions
 from kaisoku.distributed.sharding import shard_model, shard_norm_reducer
@@ -35,7 +37,7 @@ from kaisoku.engine.metrics import MetricsLogger
 from kaisoku.engine.sharded import ShardedStep
 from kaisoku.engine.step import DataParallelStep, LossFn, Precision, Preconditioner, StepEngine
 from kaisoku.engine.trainer import Trainer, TrainSettings
-from kaisoku.errors import KaisokuError
+from kaisoku.errors import ConfigError, KaisokuError
 from kaisoku.memory.in_backward import attach_update_in_backward
 from kaisoku.memory.profile import MemorySetup, setup_memory
 from kaisoku.optim.factory import build_optimizer, build_optimizer_from_named, build_scheduler
@@ -44,7 +46,7 @@ from kaisoku.optim.lars import LAMB, LARS
 from kaisoku.parts import UserParts, check_user_parts, parts_from_config
 from kaisoku.precision import apply_precision
 from kaisoku.run_facts import make_model, plan_run
-from kaisoku.run_plan import RunPlan, WorldShape
+from kaisoku.run_plan import RunPlan, WorldShape, resolve
 
 
 def user_parts(cfg: Config, parts: UserParts | None = None) -> UserParts:
@@ -115,9 +117,14 @@ def build_model_for(
     loss_fn: LossFn,
     example: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     agree: Any = None,
+    shard_ranks: int = 0,
+    gather_time: Callable[[int], float] | None = None,
+    not_priced: str = "",
 ) -> BuiltModel:
     """The model of ``plan`` (the user's or the zoo's) on ``device``, in its precision, with the memory
-    techniques of ``memory.*`` applied (data parallelism; ``agree`` makes every rank take rank 0's plan)."""
+    techniques of ``memory.*`` applied (data parallelism; ``agree`` makes every rank take rank 0's plan;
+    ``shard_ranks``, ``gather_time``, ``not_priced``: memory.budget's pricing of full sharding, see
+    :func:`~kaisoku.memory.profile.setup_memory`)."""
     cfg = plan.config
     model = make_model(cfg, plan.model.spec, parts).to(device)
     # Pipeline stages send plain contiguous activations: channels-last only on the DDP path, and only for
@@ -144,6 +151,9 @@ def build_model_for(
             autocast=precision.autocast,
             agree=agree,
             ranks=world.world_size,
+            shard_ranks=shard_ranks,
+            gather_time=gather_time,
+            not_priced=not_priced,
         )
     return BuiltModel(model=model, precision=precision, channels_last=channels_last, memory=memory)
 
@@ -295,6 +305,29 @@ def build_hybrid_engine(
     )
 
 
+def sharding_alternative(plan: RunPlan) -> tuple[RunPlan | None, str]:
+    """The plan of this run under ``parallel.shard full`` (no activation techniques) that memory.budget
+    may choose, or None and why it may not (the refusals are the run plan's own). Pure."""
+    cfg = plan.config
+    if not cfg.memory.budget.strip() or plan.hybrid or plan.shard != "none":
+        return None, ""
+    if not cfg.memory.allow_shard:
+        return None, "memory.allow_shard is off"
+    if plan.world.world_size < 2:
+        return None, "one rank has nothing to shard over"
+    if cfg.memory.policy.strip():
+        return None, "memory.policy forces techniques per block"
+    sharded_cfg = dataclasses.replace(
+        cfg,
+        parallel=dataclasses.replace(cfg.parallel, shard="full"),
+        memory=dataclasses.replace(cfg.memory, budget="", compress="none", offload="none"),
+    )
+    try:
+        return resolve(sharded_cfg, plan.world, plan.data, plan.model, own_loss=plan.loss == "user"), ""
+    except ConfigError as error:
+        return None, str(error)
+
+
 def build_trainer(
     cfg: Config,
     world: env.World,
@@ -320,6 +353,12 @@ def build_trainer(
     loss_fn = build_loss(plan, parts)
     # Made only when the compile trial or the memory profile runs (a user's dataset may be slow to read).
     example = functools.cache(functools.partial(example_batch, plan, device, parts))
+    sharded_plan, not_priced = sharding_alternative(plan)
+
+    def gather_time(numel: int) -> float:
+        pg_init.wait()
+        return gather_scatter_seconds(numel, device)
+
     built = build_model_for(
         plan,
         world,
@@ -329,7 +368,13 @@ def build_trainer(
         example=example,
         # Every rank applies rank 0's memory plan (waits for the process group only when it plans).
         agree=functools.partial(env.rank_zero_value, ready=pg_init) if world.distributed else None,
+        shard_ranks=sharded_plan.mesh_shape[-1] if sharded_plan is not None else 0,
+        gather_time=gather_time if sharded_plan is not None else None,
+        not_priced=not_priced,
     )
+    if built.memory is not None and built.memory.plan is not None and built.memory.plan.shard != "none":
+        assert sharded_plan is not None
+        plan = sharded_plan  # memory.budget chose full sharding: the sharded engine and checkpoints
     build_seconds = time.perf_counter() - build_start
     wait_start = time.perf_counter()
     pg_init.wait()

@@ -17,6 +17,12 @@ block k works with besides (the gradients that exist by then, its gradient tenso
 :func:`choose` minimises the added time under ``peak <= budget`` exactly: a Pareto frontier of
 (bytes held so far, seconds) over the blocks in order, dropping a partial plan as soon as one phase
 exceeds the budget. Everything here is pure (no torch), unit-tested on hand-worked cases.
+
+Over several data-parallel ranks the planner also prices full sharding (:func:`price_shard`): the same
+phases with every block kept, each gradient held as a 1/N shard once reduce-scattered (a block's own
+gradient whole until then) and one block's weights gathered; its time is a measured all-gather plus
+reduce-scatter of the weights. :func:`choose_with_shard` takes it when it fits and adds less time than the
+cheapest per-block plan that fits.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kaisoku.errors import ConfigError
 from kaisoku.memory.offload import check_offload_dir
@@ -62,6 +68,23 @@ class BlockCost:
     backward_bytes: int = 0
     """What the block's backward works with besides its saved tensors: the gradients that exist by
     then and its gradient tensors in and out."""
+    param_bytes: int = 0
+    """Bytes of the block's parameters (as much again for their gradients)."""
+
+
+@dataclass(frozen=True)
+class ShardPrice:
+    """What full sharding (``parallel.shard full``, every block kept) would give a step."""
+
+    shards: int
+    """Ranks the weights, gradients and optimizer state would be spread over."""
+    predicted_peak: int
+    """Modelled peak of a step, in bytes (the same measure as a per-block plan's)."""
+    added_s: float
+    """Seconds it adds to a step: the measured all-gather plus reduce-scatter of every parameter."""
+    weight_bytes_saved: int = 0
+    """Bytes of weights each rank no longer holds between steps (its optimizer state shrinks alike);
+    outside the budget, which counts what a step adds."""
 
 
 @dataclass(frozen=True)
@@ -78,9 +101,17 @@ class Plan:
     """The budget it was chosen for, in bytes."""
     notes: dict[str, object] = field(default_factory=dict)
     """Profile figures kept for the log (plain peak, fixed bytes, ...)."""
+    shard: str = "none"
+    """``full`` when the plan is full sharding (no activation techniques), else ``none``."""
+    shard_price: ShardPrice | None = None
+    """What full sharding was priced at, where it was priced."""
+    shard_note: str = ""
+    """Why full sharding was chosen, not chosen, or not priced (one phrase for the log)."""
 
     def summary(self) -> str:
-        """The plan in one line: ranges of blocks per technique."""
+        """The plan in one line: ranges of blocks per technique, or the shard level."""
+        if self.shard != "none":
+            return f"shard {self.shard}"
         return ", ".join(f"{spec}:{tech}" for spec, tech in _ranges(self.techniques)) or "nothing"
 
 
@@ -199,6 +230,107 @@ def choose(
         )
     held, added, choice, peak = min(fitting, key=lambda item: (item[1], item[3]))
     return Plan(techniques=choice, predicted_peak=peak, added_s=added, budget=budget)
+
+
+def price_shard(
+    blocks: Sequence[BlockCost], *, fixed: int, shards: int, gather_s: float, backward_bytes: int = 0
+) -> ShardPrice:
+    """Full sharding over ``shards`` ranks with every block kept: its modelled peak and added time.
+
+    Each block's ``backward_bytes`` counts the gradients of it and the blocks after it whole (a profile
+    without update-in-backward); sharded, they are 1/``shards`` each once reduce-scattered, except the
+    block's own, whole until its reduce-scatter. One block's weights are gathered at a time (the largest
+    counted in every phase). ``gather_s``: the measured time of one all-gather and one reduce-scatter of
+    every parameter, what full sharding adds to a step over DDP (a conservative price: DDP's all-reduce
+    does about as much, and the gathers overlap compute).
+    """
+    if shards < 2:
+        raise ValueError(f"full sharding needs at least 2 ranks, got {shards}")
+    gathered = max((block.param_bytes for block in blocks), default=0)
+    sharded = []
+    for index, block in enumerate(blocks):
+        late = sum(b.param_bytes for b in blocks[index:])
+        own = math.ceil((late - block.param_bytes) / shards) + block.param_bytes
+        keep = block.options["keep"]
+        sharded.append(
+            BlockCost(
+                block.saved_bytes, {"keep": keep}, backward_bytes=max(0, block.backward_bytes - late + own)
+            )
+        )
+    peak = minimum_peak(sharded, fixed, backward_bytes=backward_bytes + gathered)
+    end_of_forward = fixed + sum(block.options["keep"].held_bytes for block in blocks) + gathered
+    weights = sum(block.param_bytes for block in blocks)
+    return ShardPrice(
+        shards=shards,
+        predicted_peak=max(peak, end_of_forward),
+        added_s=gather_s,
+        weight_bytes_saved=weights - math.ceil(weights / shards),
+    )
+
+
+def choose_with_shard(
+    blocks: Sequence[BlockCost],
+    *,
+    fixed: int,
+    budget: int,
+    shard: ShardPrice | None,
+    not_priced: str = "",
+    forced: Mapping[int, str] | None = None,
+    headroom: float = 0.0,
+    backward_bytes: int = 0,
+) -> Plan:
+    """:func:`choose`, or full sharding (``shard``, priced by :func:`price_shard`) where it fits the budget
+    and adds less time than the cheapest per-block plan that fits (or none fits).
+
+    ``shard`` None: sharding was not priced, for the reason ``not_priced`` (kept in the plan's note).
+    Raises :class:`ConfigError` (one line) when neither fits, with what sharding would need.
+    """
+    room = int(budget * (1 - headroom))
+    try:
+        per_block: Plan | None = choose(
+            blocks,
+            fixed=fixed,
+            budget=budget,
+            forced=forced,
+            headroom=headroom,
+            backward_bytes=backward_bytes,
+        )
+        failure = ""
+    except ConfigError as error:
+        per_block, failure = None, str(error)
+    if shard is None:
+        if per_block is None:
+            raise ConfigError(failure)
+        return replace(per_block, shard_note=f"sharding not priced: {not_priced}" if not_priced else "")
+    words = f"full sharding over {shard.shards} ranks"
+    fits = shard.predicted_peak <= room
+    if fits and (per_block is None or shard.added_s < per_block.added_s):
+        than = (
+            "no per-block plan fits"
+            if per_block is None
+            else f"the cheapest per-block plan adds +{per_block.added_s * 1000:.1f} ms"
+        )
+        return Plan(
+            techniques=("keep",) * len(blocks),
+            predicted_peak=shard.predicted_peak,
+            added_s=shard.added_s,
+            budget=budget,
+            shard="full",
+            shard_price=shard,
+            shard_note=f"{words} chosen: it fits and {than}",
+        )
+    # The budget that leaves the headroom free above sharding's peak.
+    needs = format_bytes(
+        math.ceil(shard.predicted_peak / (1 - headroom)) if headroom < 1 else shard.predicted_peak
+    )
+    if per_block is None:
+        raise ConfigError(f"{failure}; {words} needs at least {needs}")
+    why = (
+        f"it needs at least {needs}"
+        if not fits
+        else f"it adds +{shard.added_s * 1000:.1f} ms per step, this plan +{per_block.added_s * 1000:.1f} ms"
+    )
+    return replace(per_block, shard_price=shard, shard_note=f"{words} priced, not chosen: {why}")
 
 
 def block_range(spec: str, count: int) -> range:

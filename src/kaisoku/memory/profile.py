@@ -11,7 +11,8 @@ weights, buffers and the RNG come back as they were: profiling changes nothing i
 ``offload``, or with ``memory.budget`` / ``memory.policy`` the per-block plan, applied through
 :func:`~kaisoku.memory.checkpointing.apply_techniques`. Under data parallelism every rank profiles, and
 every rank then applies rank 0's plan (its ``agree`` callable): the plan the log shows is what each rank
-does.
+does. Over several ranks the budget may be met by full sharding instead, priced from the profile and a
+measured all-gather and reduce-scatter of the weights (the choice is rank 0's too).
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ from kaisoku.memory.planner import (
     BlockCost,
     Option,
     Plan,
-    choose,
+    choose_with_shard,
     minimum_peak,
     parse_budget,
     parse_policy,
     policy_plan,
+    price_shard,
 )
 from kaisoku.models.blocks import ordered_blocks
 from kaisoku.units import format_bytes
@@ -261,6 +263,7 @@ def profile_step(
                 options=options,
                 compress_error=tally.error[compress],
                 backward_bytes=late + tally.largest + outputs[index],
+                param_bytes=grads[index],
             )
         )
     rise = max(0, int(peak) - int(before))
@@ -301,6 +304,17 @@ class MemorySetup:
             "added_s": round(self.plan.added_s, 6),
             "shared_by_ranks": self.ranks,
         }
+        if self.plan.budget:
+            record["shard"] = self.plan.shard
+            record["shard_note"] = self.plan.shard_note
+        price = self.plan.shard_price
+        if price is not None:
+            record["shard_priced"] = {
+                "shards": price.shards,
+                "predicted_peak_bytes": price.predicted_peak,
+                "added_s": round(price.added_s, 6),
+                "weight_bytes_saved": price.weight_bytes_saved,
+            }
         if self.profile is not None:
             record["plain_peak_bytes"] = self.profile.plain_peak
             record["fixed_bytes"] = self.profile.fixed
@@ -313,9 +327,13 @@ class MemorySetup:
             return ""
         budget = f" for memory.budget {format_bytes(self.plan.budget)}" if self.plan.budget else ""
         shared = f", rank 0's plan shared by all {self.ranks} ranks" if self.ranks > 1 else ""
+        what = self.plan.summary()
+        if self.plan.shard != "none":
+            what += f" over {self.ranks} ranks, no activation techniques"
+        note = f"; {self.plan.shard_note}" if self.plan.shard_note and self.plan.shard == "none" else ""
         return (
-            f"memory plan{budget}: {self.plan.summary()} (predicted peak "
-            f"{format_bytes(self.plan.predicted_peak)}, +{self.plan.added_s * 1000:.1f} ms per step{shared})"
+            f"memory plan{budget}: {what} (predicted peak "
+            f"{format_bytes(self.plan.predicted_peak)}, +{self.plan.added_s * 1000:.1f} ms per step{shared}){note}"
         )
 
 
@@ -329,6 +347,9 @@ def setup_memory(
     autocast: Callable[[], Any] = contextlib.nullcontext,
     agree: Callable[[Any], Any] | None = None,
     ranks: int = 1,
+    shard_ranks: int = 0,
+    gather_time: Callable[[int], float] | None = None,
+    not_priced: str = "",
 ) -> MemorySetup:
     """Apply ``memory`` (a :class:`~kaisoku.config_sections.MemoryConfig`) to the bare ``model``.
 
@@ -338,6 +359,12 @@ def setup_memory(
     ``agree``: under data parallelism, a collective that returns rank 0's value on every rank
     (:func:`kaisoku.distributed.env.rank_zero_value`); every rank calls it once with memory.budget, and
     applies the plan it returns. None on a single rank. ``ranks``: the number of ranks, for the log.
+
+    ``shard_ranks`` >= 2 with ``gather_time``: memory.budget also prices full sharding over that many
+    ranks; ``gather_time(numel)`` is the collective that times one all-gather plus reduce-scatter of
+    ``numel`` fp32 values (every rank calls it once). A plan that chooses it (``plan.shard == "full"``)
+    applies no technique to the model: the caller builds the sharded engine. Otherwise ``not_priced`` says
+    why sharding was not priced, for the log.
     """
     setup = MemorySetup(ranks=ranks)
     offload_mode = memory.offload
@@ -376,12 +403,24 @@ def setup_memory(
         if _adjust_profile is not None:
             profile = _adjust_profile(profile)
         setup.profile = profile
+        price = None
+        if shard_ranks >= 2 and gather_time is not None:
+            numel = sum(p.numel() for p in model.parameters())
+            price = price_shard(
+                profile.blocks,
+                fixed=profile.fixed,
+                shards=shard_ranks,
+                gather_s=gather_time(numel),
+                backward_bytes=profile.backward_bytes,
+            )
         outcome: Plan | str
         try:
-            outcome = choose(
+            outcome = choose_with_shard(
                 profile.blocks,
                 fixed=profile.fixed,
                 budget=budget,
+                shard=price,
+                not_priced=not_priced,
                 forced=forced,
                 headroom=HEADROOM,
                 backward_bytes=profile.backward_bytes,
@@ -399,6 +438,8 @@ def setup_memory(
         setup.plan = outcome
     else:
         setup.plan = Plan(techniques=policy_plan(count, forced), predicted_peak=0, added_s=0.0, budget=0)
+    if setup.plan.shard != "none":
+        return setup  # the sharded engine replaces the activation techniques
     if "offload" in setup.plan.techniques:
         setup.offload = build_offload(offload_mode, device, memory.offload_dir)
     apply_techniques(model, setup.plan.techniques, compress=compress, offload=setup.offload)
