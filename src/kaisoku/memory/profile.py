@@ -156,8 +156,11 @@ def profile_step(
     compressors = {mode: ActivationCompressor(mode) for mode in ("bf16", "int8")}  # type: ignore[arg-type]
     model.train()
 
+    # A saved weight is often a view of the parameter (a Linear's transposed weight), not a new tensor.
+    weight_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
     def count(tally: _Tally, seen: dict[int, Any], t: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, nn.Parameter):
+        if isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in weight_storages:
             return t
         if id(t) in seen and seen[id(t)]() is t:
             # Saved again by another operation: kept once as it is, but compressed once per save.
