@@ -80,6 +80,7 @@ NON_TRAJECTORY_KEYS: frozenset[str] = frozenset(
         "memory.offload",
         "memory.offload_dir",
         "memory.budget",
+        "memory.allow_shard",  # either engine loads the other's checkpoints
         "memory.policy",
     }
 )
