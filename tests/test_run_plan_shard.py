@@ -37,6 +37,12 @@ def test_shard_levels_and_mesh_shapes() -> None:
     assert plain.engine_name == "data parallel"
 
 
+def test_pipeline_stages_shard_over_their_replicas() -> None:
+    plan = _plan(4, parallel__shard="full", parallel__pp=2)
+    assert (plan.shard, plan.hybrid, plan.mesh_shape) == ("full", True, (2,))
+    assert (plan.rank_batch, plan.engine_name) == (32, "hybrid (pipeline / switch)")
+
+
 def test_one_rank_runs_as_plain_data_parallel() -> None:
     plan = _plan(1, parallel__shard="full")
     assert (plan.shard, plan.engine_name, plan.mesh_shape) == ("none", "data parallel", (1,))
@@ -60,7 +66,18 @@ def test_mesh_shape_arithmetic() -> None:
     [
         ({"parallel__dp_replicate": 2}, "needs parallel.shard grad or full"),
         ({"parallel__shard": "full", "parallel__dp_replicate": 3}, "4 / 3 = 1.33333 ranks per replica"),
-        ({"parallel__shard": "full", "parallel__pp": 2}, "parallel.shard full does not work with pipeline"),
+        (
+            {"parallel__shard": "full", "parallel__switch": "dp2xpp2:0-1,dp4:1-"},
+            "does not work with parallel.switch",
+        ),
+        (
+            {"parallel__shard": "full", "parallel__pp": 2, "parallel__dp_replicate": 2},
+            "parallel.dp_replicate under pipeline stages",
+        ),
+        (
+            {"parallel__shard": "grad", "parallel__pp": 2, "checkpoint__async_save": True},
+            "checkpoint.async_save under pipeline stages",
+        ),
         ({"parallel__shard": "full", "memory__update_in_backward": True}, "memory.update_in_backward"),
         ({"parallel__shard": "grad", "optim__kfac__enabled": True}, "K-FAC needs whole gradients"),
         ({"parallel__shard": "full", "train__compile": "model"}, "train.compile"),

@@ -420,7 +420,18 @@ def _check_shard(cfg: Config, world: WorldShape | None, hybrid: bool) -> tuple[i
     shape = data_mesh_shape(size if size is not None else par.dp_replicate, par.dp_replicate)
     what = f"parallel.shard {par.shard}"
     unsupported = [
-        (hybrid, "pipeline stages or parallel.switch (use parallel.shard none with parallel.pp)"),
+        (
+            bool(par.switch.strip()),
+            "parallel.switch (a switch rebuilds whole stages; use parallel.shard none)",
+        ),
+        (
+            hybrid and par.dp_replicate != 1,
+            "parallel.dp_replicate under pipeline stages (each stage shards over all its replicas; drop it)",
+        ),
+        (
+            hybrid and cfg.checkpoint.async_save,
+            "checkpoint.async_save under pipeline stages (their checkpoints are one file of whole tensors)",
+        ),
         (cfg.memory.update_in_backward, "memory.update_in_backward (the sharded step owns the update)"),
         (cfg.optim.kfac.enabled, "optim.kfac.enabled (K-FAC needs whole gradients of each layer)"),
         (cfg.train.compile != "off" or cfg.optim.compile, "train.compile / optim.compile (set them off)"),

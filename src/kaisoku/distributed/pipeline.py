@@ -6,6 +6,12 @@ runs its stage (or, for interleaved 1F1B, its ``virtual_stages`` stages) under a
 the schedule the stage's gradients are averaged over the dp sub-group, explicitly, in one flat
 all-reduce. A layout with ``pp == 1`` is plain data parallelism: the replica batch runs in one piece.
 
+With ``HybridOptions.shard`` grad or full, each stage's blocks are instead sharded with FSDP2 over the
+stage's dp sub-group (:func:`kaisoku.distributed.sharding.shard_stage`): the stage trains a copy of its
+blocks whose parameters, gradients and optimizer state are shards, the gradients are reduce-scattered by
+FSDP after the last micro-batch, and the whole model (still held by every rank, for evaluation and the
+layout-independent checkpoint) is refreshed from the gathered shards whenever the full state is gathered.
+
 The loss of a step is the mean, over every replica and micro-batch, of ``loss_fn`` on that micro-batch;
 with a mean-reducing ``loss_fn`` and equal micro-batches that is the gradient of the whole global batch.
 
@@ -26,6 +32,7 @@ replica batch without stalling the pipeline):
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from collections.abc import Callable, Sequence
@@ -36,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kaisoku.distributed.layout import check_schedule
 from kaisoku.distributed.mesh import ParallelMesh
@@ -45,6 +53,7 @@ from kaisoku.distributed.named_state import (
     named_optimizer_state,
 )
 from kaisoku.distributed.partition import measure_block_costs, parameter_costs, partition_blocks
+from kaisoku.distributed.sharding import group_norm_reducer, shard_stage
 from kaisoku.errors import ConfigError, KaisokuError
 from kaisoku.models.blocks import check_blocks_cover, ordered_blocks, state_names
 
@@ -54,6 +63,8 @@ OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimi
 
 #: Ways to weigh blocks when splitting a model into stages.
 BALANCE_NAMES: tuple[str, ...] = ("parameters", "time")
+#: How a stage's blocks are held over its dp sub-group: whole (none) or sharded (grad, full).
+SHARD_LEVELS: tuple[str, ...] = ("none", "grad", "full")
 
 _BASE_MOMENTUM = "_kaisoku_base_momentum"
 
@@ -150,11 +161,20 @@ class HybridOptions:
     """Stages per rank for interleaved-1f1b (>= 2 to interleave); 1 for the other schedules."""
     balance: str = "parameters"
     """Weigh blocks by parameter count ("parameters") or by measured forward+backward time ("time")."""
+    shard: str = "none"
+    """none: whole stages, gradients averaged over dp; grad / full: each stage's blocks sharded over its dp
+    sub-group (FSDP2; full also reshards the weights after each block's forward)."""
+    precision: str = "fp32"
+    """precision.mode: under bf16 the sharded blocks are gathered in bf16 (see :func:`shard_stage`)."""
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCE_NAMES:
             raise ConfigError(
                 f"unknown parallel.balance '{self.balance}'; choose one of: {', '.join(BALANCE_NAMES)}"
+            )
+        if self.shard not in SHARD_LEVELS:
+            raise ConfigError(
+                f"unknown parallel.shard '{self.shard}'; choose one of: {', '.join(SHARD_LEVELS)}"
             )
         check_schedule(self.schedule, 1, self.microbatches, self.virtual_stages)
 
@@ -210,8 +230,14 @@ class HybridParallel:
         self._names = state_names(model)
         self._order = list(model.state_dict().keys())
         self._schedules: dict[tuple[Any, ...], tuple[Any, list[Any]]] = {}
+        self.sharded = opts.shard != "none"
 
         if pp == 1:
+            if self.sharded:
+                raise KaisokuError(
+                    f"parallel.shard {opts.shard} shards pipeline stages; a layout without stages ({self.layout}) "
+                    "runs on the sharded data-parallel engine instead"
+                )
             restore_batchnorm_momentum(model)  # whole replica batches: the model's own momentum
             self.stage_indices: list[int] = [0]
             self.stage_modules: list[nn.Module] = [model]
@@ -227,13 +253,32 @@ class HybridParallel:
             self.stage_modules = [
                 StageModule([blocks[i] for i in self.stage_ranges[s]]) for s in self.stage_indices
             ]
+            if self.sharded:
+                # The stage trains copies: the model keeps whole tensors, for evaluation and switching.
+                self.stage_modules = [copy.deepcopy(module) for module in self.stage_modules]
             for module in self.stage_modules:
                 apply_batchnorm_policy(module, opts.microbatches)
+        # Each stage tensor's name in the model, by its name in the stage (which sharding keeps).
+        self._stage_names: list[dict[str, str]] = [
+            self._fqn_names(module, original)
+            for module, original in zip(self.stage_modules, self._original_stages())
+        ]
+        if self.sharded:
+            level = "full" if opts.shard == "full" else "grad"
+            dp_mesh = mesh.mesh["dp"]
+            for module in self.stage_modules:
+                assert isinstance(module, StageModule)
+                shard_stage(module, list(module.blocks), dp_mesh, level=level, precision_mode=opts.precision)
         self.num_stages = pp * (opts.virtual_stages if pp > 1 else 1)
         self.holds_first = 0 in self.stage_indices
         self.holds_last = self.num_stages - 1 in self.stage_indices
         self.named_parameters: list[tuple[str, nn.Parameter]] = self._stage_parameters()
+        # The optimizer's parameters by name (sharding replaces the parameter objects of the stage).
+        self._param_names: dict[int, str] = {id(p): name for name, p in self.named_parameters}
         self.optimizer = optimizer_factory(list(self.named_parameters))
+        if self.sharded and hasattr(self.optimizer, "reduce_norms_with"):
+            # LARS / LAMB: a layer's norm is the norm of its whole parameter, summed over the shards.
+            self.optimizer.reduce_norms_with(group_norm_reducer(mesh.dp_group))
 
     # ---------------------------------------------------------------- properties and helpers
 
@@ -247,24 +292,41 @@ class HybridParallel:
         """The number of replicas: how many data shards a global batch is cut into."""
         return self.layout.dp
 
+    def _original_stages(self) -> list[nn.Module]:
+        """The stages made of the model's own blocks (what sharded stages were copied from)."""
+        if self.layout.pp == 1:
+            return [self.model]
+        blocks = ordered_blocks(self.model)
+        return [StageModule([blocks[i] for i in self.stage_ranges[s]]) for s in self.stage_indices]
+
+    def _fqn_names(self, module: nn.Module, original: nn.Module) -> dict[str, str]:
+        # A copy lists its tensors in the order of the original, under the same names.
+        names = {}
+        for (fqn, _), tensor in zip(
+            module.state_dict(keep_vars=True).items(), original.state_dict(keep_vars=True).values()
+        ):
+            if id(tensor) in self._names:
+                names[fqn] = self._names[id(tensor)]
+        return names
+
     def _stage_parameters(self) -> list[tuple[str, nn.Parameter]]:
         seen: set[int] = set()
         named = []
-        for module in self.stage_modules:
-            for p in module.parameters():
+        for module, names in zip(self.stage_modules, self._stage_names):
+            for fqn, p in module.named_parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
-                    named.append((self._names[id(p)], p))
+                    named.append((names[fqn], p))
         order = {name: i for i, name in enumerate(self._order)}
         return sorted(named, key=lambda item: order[item[0]])
 
     def _stage_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's stage tensors by their names in the model (sharded parameters as DTensors)."""
         tensors: dict[str, torch.Tensor] = {}
-        for module in self.stage_modules:
-            for tensor in module.state_dict(keep_vars=True).values():
-                name = self._names.get(id(tensor))
-                if name is not None:
-                    tensors[name] = tensor
+        for module, names in zip(self.stage_modules, self._stage_names):
+            for fqn, tensor in module.state_dict(keep_vars=True).items():
+                if fqn in names:
+                    tensors[names[fqn]] = tensor
         return tensors
 
     def _block_costs(self, blocks: list[nn.Module], example_input: torch.Tensor | None) -> list[float]:
@@ -315,7 +377,8 @@ class HybridParallel:
             local = loss.detach().reshape(1).to(torch.float64).cpu()
         else:
             local = self.pipeline_step(inputs, targets)
-        self._average_gradients()
+        if not self.sharded:  # sharded stages: FSDP reduce-scattered the gradients after the last micro-batch
+            self._average_gradients()
         # Only last-stage ranks hold a loss; one small world all-reduce hands it to everyone.
         dist.all_reduce(local)
         return float(local.item()) / self.layout.dp
@@ -377,7 +440,9 @@ class HybridParallel:
         grads = [p.grad for _, p in self.named_parameters if p.grad is not None]
         squares = torch.zeros(1, dtype=torch.float64)
         for grad in grads:
-            squares += grad.detach().double().pow(2).sum().cpu()
+            squares += _local(grad).detach().double().pow(2).sum().cpu()
+        if self.sharded and self.layout.dp > 1:  # each rank holds a shard of its stage's gradients
+            dist.all_reduce(squares, group=self.mesh.dp_group)
         if self.layout.pp > 1:
             dist.all_reduce(squares, group=self.mesh.pp_group)
         norm = float(squares.sqrt().item())
@@ -425,9 +490,18 @@ class HybridParallel:
         """
         self.sync_buffers()
         mine: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
-        if self.dp_index == 0:
+        if self.sharded:
+            # Gathering shards is a collective of the stage's dp sub-group: every replica takes part.
+            tensors = {name: _whole(t, self.device) for name, t in self._stage_tensors().items()}
+            named = named_optimizer_state(self.optimizer, self._param_names)
+            for per_param in named["state"].values():
+                for key, value in per_param.items():
+                    per_param[key] = _whole(value, self.device)
+            if self.dp_index == 0:
+                mine = (tensors, named)
+        elif self.dp_index == 0:
             tensors = {name: t.detach().cpu().clone() for name, t in self._stage_tensors().items()}
-            mine = (tensors, named_optimizer_state(self.optimizer, self._names))
+            mine = (tensors, named_optimizer_state(self.optimizer, self._param_names))
         model_state = {name: t.detach().cpu().clone() for name, t in self.model.state_dict().items()}
         parts: list[dict[str, Any]] = []
         for pp_index in range(self.layout.pp):
@@ -447,7 +521,29 @@ class HybridParallel:
     def load_full_state_dict(self, state: dict[str, Any]) -> None:
         """Load a :meth:`full_state_dict` (from any layout) on every rank."""
         self.model.load_state_dict(state["model"])
-        load_named_optimizer_state(self.optimizer, state["optimizer"], self._names)
+        named = state["optimizer"]
+        if self.sharded:
+            # Each rank keeps its own pieces of the whole tensors (no communication).
+            for module, names in zip(self.stage_modules, self._stage_names):
+                current = module.state_dict()
+                module.load_state_dict(
+                    {fqn: _placed_like(state["model"][name], current[fqn]) for fqn, name in names.items()}
+                )
+            shapes = {name: p for name, p in self.named_parameters}
+            named = {
+                "param_groups": named["param_groups"],
+                "state": {
+                    name: {
+                        key: _placed_like(value, shapes[name])
+                        if isinstance(value, torch.Tensor) and value.shape == shapes[name].shape
+                        else value
+                        for key, value in per_param.items()
+                    }
+                    for name, per_param in named["state"].items()
+                    if name in shapes
+                },
+            }
+        load_named_optimizer_state(self.optimizer, named, self._param_names)
 
     def close(self) -> None:
         """Give the model back as it was built (BatchNorm momentum restored); drop stages and optimizer."""
@@ -457,3 +553,29 @@ class HybridParallel:
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.model.parameters():
             p.grad = None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``tensor`` (its local shard for a DTensor)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _whole(value: Any, device: torch.device) -> Any:
+    """``value`` as a whole CPU tensor: a DTensor gathered over its mesh (a collective), on ``device`` first
+    since the gather runs over the mesh's own backend; other values as they are, tensors copied."""
+    if isinstance(value, DTensor):
+        return value.to(device).full_tensor().detach().cpu().clone()
+    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _placed_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``whole`` laid out as ``like``: this rank's shard of it for a DTensor (cut locally, no communication)."""
+    if not isinstance(like, DTensor):
+        return whole
+    local = _local(like)
+    return distribute_tensor(
+        whole.to(device=local.device, dtype=local.dtype),
+        like.device_mesh,
+        like.placements,
+        src_data_rank=None,
+    )

@@ -10,11 +10,14 @@ replica, gradients all-reduced between replicas.
 
 LARS and LAMB need each layer's whole-parameter norm: :func:`shard_norm_reducer` sums the local squared
 norms of every layer in one all-reduce over the shard group (replicas hold the same shards).
+
+Under pipeline stages, :func:`shard_stage` shards one stage's blocks over the stage's data-parallel
+ranks (a 1-D mesh), and :func:`group_norm_reducer` sums the norms over that group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -104,6 +107,33 @@ def shard_model(
     return model
 
 
+def shard_stage(
+    stage: nn.Module,
+    blocks: Sequence[nn.Module],
+    mesh: DeviceMesh,
+    *,
+    level: Literal["grad", "full"],
+    precision_mode: str,
+) -> FSDPModule:
+    """Shard a pipeline stage in place over ``mesh`` (1-D: the ranks holding this stage in every replica).
+
+    Each of the stage's ``blocks`` (run as modules by the stage) becomes one unit and the stage the root,
+    with the level and precision policy of :func:`shard_model`. The pipeline schedule drives the units:
+    gradients are reduce-scattered after the last micro-batch's backward, not after each.
+    """
+    policy = mixed_precision(precision_mode)
+    reshard = level == "full"
+    if policy.param_dtype is not None:
+        for layer in float32_units(stage):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=MixedPrecisionPolicy())
+    for block in blocks:
+        if not isinstance(block, FSDPModule) and any(True for _ in block.parameters()):
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(stage, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    assert isinstance(stage, FSDPModule)
+    return stage
+
+
 def set_micro_batch(model: nn.Module, *, last: bool) -> None:
     """Before a micro-batch's backward: reduce gradients only on the step's last one, and keep the gathered
     weights between micro-batches (no all-gather per micro-batch); reshard after the last."""
@@ -126,6 +156,16 @@ def broadcast_buffers(model: nn.Module) -> None:
 def shard_norm_reducer(mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
     """``reduce(squares) -> squares`` summed over the mesh's shard group in one all-reduce, in place."""
     group = mesh.get_group("dp_shard")
+
+    def reduce(squares: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(squares, group=group)
+        return squares
+
+    return reduce
+
+
+def group_norm_reducer(group: dist.ProcessGroup) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``reduce(squares) -> squares`` summed over ``group`` (the ranks a layer is sharded over), in place."""
 
     def reduce(squares: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(squares, group=group)

@@ -280,7 +280,8 @@ def build_hybrid_engine(
     make_scheduler: Any,
     device: torch.device,
 ) -> HybridStep:
-    """Pipeline stages (and layout switches) over the plan's schedule: the hybrid step."""
+    """Pipeline stages (and layout switches) over the plan's schedule: the hybrid step; under
+    ``parallel.shard`` each stage's blocks sharded over its data-parallel ranks."""
     cfg = plan.config
     par = cfg.parallel
     assert plan.schedule is not None
@@ -292,6 +293,8 @@ def build_hybrid_engine(
             schedule=par.schedule,
             virtual_stages=par.virtual_stages,
             balance=par.balance,
+            shard=plan.shard,
+            precision=cfg.precision.mode,
         ),
         loss_fn=loss_fn,
         optimizer_factory=functools.partial(build_optimizer_from_named, cfg=cfg.optim),

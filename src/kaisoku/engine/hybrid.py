@@ -5,7 +5,9 @@
 trainer's :class:`~kaisoku.engine.step.StepEngine`: one step on a replica batch, the layout switch when
 the schedule says so (with the learning-rate schedule carried over), the gathered model for validation,
 and checkpoints in the layout-independent form (the model's own ``state_dict`` names, an optimizer state
-keyed by the same names), so a run saved under one layout resumes under any other, DDP included.
+keyed by the same names), so a run saved under one layout resumes under any other, DDP included. With
+``HybridOptions.shard`` each stage's blocks are sharded over the stage's replicas; the checkpoint is still
+the gathered, whole form.
 
 The data follows the dp axis: the sampler's shard is the replica index and its shard count the replica
 count, so every rank of a pipeline reads its replica's batch; the global batch stays fixed whatever the
