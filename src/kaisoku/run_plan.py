@@ -158,10 +158,19 @@ class RunPlan:
         return rank, self.world.world_size
 
     @property
+    def sharded_engine(self) -> bool:
+        """The sharded engine (FSDP2 over the data mesh) runs the step, and checkpoints are DCP folders of
+        every rank's shards; pipeline stages, sharded or not, run the hybrid engine and write one file of
+        whole tensors."""
+        return self.shard != "none" and not self.hybrid
+
+    @property
     def engine_name(self) -> str:
         """How the step runs, in words."""
         if self.hybrid:
-            return "hybrid (pipeline / switch)"
+            return "hybrid (pipeline / switch)" + (
+                f", stages sharded ({self.shard})" if self.shard != "none" else ""
+            )
         if self.shard != "none":
             return f"sharded data parallel ({self.shard}: {_SHARD_WORDS[self.shard]})"
         return "data parallel"
@@ -169,7 +178,7 @@ class RunPlan:
     @property
     def mesh_description(self) -> str:
         """The data-parallel mesh as ``name=size`` pairs."""
-        names = DATA_MESH_DIM_NAMES if self.shard != "none" else ("dp",)
+        names = DATA_MESH_DIM_NAMES if self.sharded_engine else ("dp",)
         return " x ".join(f"{name}={size}" for name, size in zip(names, self.mesh_shape))
 
     def describe(self) -> str:

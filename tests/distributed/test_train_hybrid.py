@@ -70,6 +70,20 @@ def _train(
     }
 
 
+def _train_stages(
+    rank: int, world_size: int, tmp: Path, data: Path, run_dir: Path, overrides: dict[str, Any]
+) -> dict[str, Any]:
+    """3 steps of a run whose stages hold their own (sharded) copies: its summary and the gathered model."""
+    cfg = _config(data, run_dir, **overrides)
+    cfg.train.max_steps = 3
+    trainer = build_trainer(cfg, World(rank=rank, world_size=world_size, local_world_size=world_size))
+    initial = {k: v.clone() for k, v in trainer.unwrapped.state_dict().items()}
+    summary = trainer.fit()
+    trainer.metrics.close()
+    model = {k: v.clone() for k, v in trainer.unwrapped.state_dict().items()}
+    return {"summary": summary, "initial": initial, "model": model}
+
+
 def _metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -215,6 +229,42 @@ def test_checkpoints_move_between_pipeline_and_data_parallel_runs(
         assert result["summary"]["steps"] == 6
         assert result["loaded_lr"] == pytest.approx(_expected_lr(cfg, 5), rel=1e-12)
     assert_states_equal(back[1]["model"], back[0]["model"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sharded_pipeline_stages_write_one_file_that_resumes_on_data_parallel(
+    tmp_path: Path, tiny_data: Path
+) -> None:
+    """pp 2 x shard 2 through build_trainer: the stages' shards are gathered into one whole-tensor checkpoint
+    (the hybrid engine's format), which a plain 2-rank data-parallel run resumes."""
+    run_dir = tmp_path / "ppshard"
+    sharded = run_ranks(
+        _train_stages, 4, tmp_path / "a", tiny_data, run_dir, {"parallel__pp": 2, "parallel__shard": "full"}
+    )
+    assert all(result["summary"]["steps"] == 3 for result in sharded)
+    for result in sharded[1:]:
+        assert_states_equal(result["model"], sharded[0]["model"])  # every rank gathers the same model
+    saved = _checkpoint(run_dir, 3)  # one file, not a folder of shards
+    assert_states_equal(saved["model"], sharded[0]["model"])
+    # The stages trained: the same 3 steps unsharded (pp 2 x dp 2) end at the same weights within fp32 noise.
+    whole = run_ranks(_train_stages, 4, tmp_path / "w", tiny_data, tmp_path / "pp2dp2", {"parallel__pp": 2})
+    for name, value in whole[0]["model"].items():
+        torch.testing.assert_close(sharded[0]["model"][name], value, rtol=0, atol=1e-5, msg=name)
+    assert any(not torch.equal(v, sharded[0]["initial"][k]) for k, v in sharded[0]["model"].items())
+    resumed = run_ranks(
+        _train,
+        2,
+        tmp_path / "b",
+        tiny_data,
+        tmp_path / "dp2",
+        4,
+        str(run_dir / "checkpoints" / "step-00000003.pt"),
+        {"parallel__dp": 2},
+    )
+    for result in resumed:
+        assert_states_equal(result["loaded"], saved["model"])
+        assert result["summary"]["steps"] == 4
 
 
 # ------------------------------------------------------------------------------------------------

@@ -406,7 +406,7 @@ def build_trainer(
         engine = build_hybrid_engine(
             plan, built, data, world, loss_fn=loss_fn, make_scheduler=make_scheduler, device=device
         )
-    elif plan.shard != "none":
+    elif plan.sharded_engine:
         sharded = build_sharded_engine(
             plan, built, loss_fn=loss_fn, make_scheduler=make_scheduler, device=device
         )
@@ -468,7 +468,7 @@ def build_trainer(
         checkpoints=CheckpointManager(
             run_dir / "checkpoints",
             keep=cfg.checkpoint.keep,
-            sharded=plan.shard != "none",
+            sharded=plan.sharded_engine,
             background=cfg.checkpoint.async_save,
         ),
         config_dict=to_dict(cfg),
