@@ -40,7 +40,10 @@ def test_shard_levels_and_mesh_shapes() -> None:
 def test_pipeline_stages_shard_over_their_replicas() -> None:
     plan = _plan(4, parallel__shard="full", parallel__pp=2)
     assert (plan.shard, plan.hybrid, plan.mesh_shape) == ("full", True, (2,))
-    assert (plan.rank_batch, plan.engine_name) == (32, "hybrid (pipeline / switch)")
+    assert (plan.rank_batch, plan.engine_name) == (32, "hybrid (pipeline / switch), stages sharded (full)")
+    # The hybrid engine runs and writes one whole-tensor file; its replicas are the dp dimension.
+    assert (plan.sharded_engine, plan.mesh_description) == (False, "dp=2")
+    assert _plan(4, parallel__shard="full").sharded_engine
 
 
 def test_one_rank_runs_as_plain_data_parallel() -> None:
