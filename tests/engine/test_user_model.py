@@ -169,25 +169,54 @@ def test_user_loss_and_python_fit_on_two_ranks(tmp_path: Path, mnist_path: Path)
     _assert_same_weights(_final_state(tmp_path / "python"), _final_state(tmp_path / "cli"))
 
 
-def test_import_path_errors_are_one_line_before_launch(tmp_path: Path) -> None:
-    for flag, value, expected in [
-        ("--model.name", "user_net:nosuch", "model.name: user_net has no nosuch"),
-        ("--model.name", "no_such_module:net", "model.name: cannot import no_such_module"),
-        ("--data.dataset", "user_net:smooth_loss", "data.dataset: smooth_loss failed"),
-        ("--train.loss", "user_net", "train.loss: 'user_net' is not valid"),
-    ]:
+#: The first goes through a real ``python -m kaisoku train`` process; the others through the same code in this
+#: process (each process start imports torch), run in the user's folder as that command would be.
+@pytest.mark.parametrize(
+    ("flag", "value", "expected", "own_process"),
+    [
+        ("--model.name", "user_net:nosuch", "model.name: user_net has no nosuch", True),
+        ("--model.name", "no_such_module:net", "model.name: cannot import no_such_module", False),
+        ("--data.dataset", "user_net:smooth_loss", "data.dataset: smooth_loss failed", False),
+        ("--train.loss", "user_net", "train.loss: 'user_net' is not valid", False),
+    ],
+)
+def test_import_path_errors_are_one_line_before_launch(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+    flag: str,
+    value: str,
+    expected: str,
+    own_process: bool,
+) -> None:
+    argv = ["train", "--run-dir", str(tmp_path / "run"), flag, value]
+    if own_process:
         result = subprocess.run(
-            [sys.executable, "-m", "kaisoku", "train", "--run-dir", str(tmp_path / "run"), flag, value],
+            [sys.executable, "-m", "kaisoku", *argv],
             cwd=USER_FILES,
             capture_output=True,
             text=True,
             timeout=120,
             env=train_env(USER_NET_MNIST="/nonexistent"),
         )
-        assert result.returncode == 2, result.stderr
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and expected in lines[0], result.stderr
-        assert not (tmp_path / "run").exists()
+        code, stderr = result.returncode, result.stderr
+    else:
+        from kaisoku.cli import main
+
+        monkeypatch.chdir(USER_FILES)
+        monkeypatch.syspath_prepend(str(USER_FILES))  # `python -m` puts the working folder first
+        monkeypatch.setenv("USER_NET_MNIST", "/nonexistent")
+        capfd.readouterr()
+        try:
+            with pytest.raises(SystemExit) as exited:
+                main(argv)
+        finally:
+            sys.modules.pop("user_net", None)  # the next test imports it afresh
+        code, stderr = exited.value.code, capfd.readouterr().err
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], stderr
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.timeout(180)
