@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.train_harness import kaisoku_in_process
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -16,18 +18,6 @@ def _kaisoku(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
     return subprocess.run(
         [sys.executable, "-m", "kaisoku", *args], capture_output=True, text=True, timeout=120, cwd=cwd
     )
-
-
-def _kaisoku_here(capfd: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
-    """``kaisoku ARGS`` through :func:`kaisoku.cli.main` in this process: the command's own code and output,
-    without a process start that imports torch (a traceback would fail the test as an exception)."""
-    from kaisoku.cli import main
-
-    capfd.readouterr()
-    with pytest.raises(SystemExit) as exited:
-        main(list(args))
-    stdout, stderr = capfd.readouterr()
-    return subprocess.CompletedProcess(list(args), exited.value.code or 0, stdout, stderr)
 
 
 #: The first mistake goes through a real ``python -m kaisoku`` process; the others through the same code in
@@ -45,7 +35,7 @@ def _kaisoku_here(capfd: pytest.CaptureFixture[str], *args: str) -> subprocess.C
 def test_user_mistakes_are_one_line_exit_2(
     args: list[str], expected: str, own_process: bool, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    result = _kaisoku(*args) if own_process else _kaisoku_here(capfd, *args)
+    result = _kaisoku(*args) if own_process else kaisoku_in_process(capfd, *args)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -56,7 +46,7 @@ def test_user_mistakes_are_one_line_exit_2(
 def test_print_config_is_resolved_toml(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     extra = tmp_path / "extra.toml"
     extra.write_text("[optim]\nlr = 0.7\n[train]\nseed = 3\n")
-    result = _kaisoku_here(capfd, "train", "--config", str(extra), "--train.seed", "5", "--print-config")
+    result = kaisoku_in_process(capfd, "train", "--config", str(extra), "--train.seed", "5", "--print-config")
     assert result.returncode == 0, result.stderr
     parsed = tomllib.loads(result.stdout)
     assert parsed["optim"]["lr"] == 0.7
@@ -108,7 +98,7 @@ def test_version_prints_the_package_version() -> None:
 def test_train_help_prints_help_texts_with_a_percent_sign_as_written(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
-    result = _kaisoku_here(capfd, "train", "--help")
+    result = kaisoku_in_process(capfd, "train", "--help")
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())  # argparse wraps the help text
     assert "about 0.5% relative error" in text

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from kaisoku.config import Config, apply_override
 
 
@@ -29,6 +31,19 @@ def train_args(data: Path, run_dir: Path, *extra: str) -> list[str]:
         "--metrics.progress", "false",
         *extra,
     ]  # fmt: skip
+
+
+def kaisoku_in_process(capfd: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``kaisoku ARGS`` through :func:`kaisoku.cli.main` in this process, for commands refused before any
+    rank starts: the command's own code and output without a process start that imports torch (a
+    traceback would fail the test as an exception)."""
+    from kaisoku.cli import main
+
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main(list(args))
+    stdout, stderr = capfd.readouterr()
+    return subprocess.CompletedProcess(list(args), exited.value.code or 0, stdout, stderr)
 
 
 def train_env(**extra: str) -> dict[str, str]:
