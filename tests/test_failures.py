@@ -125,6 +125,10 @@ def test_rollback_reloads_a_finite_checkpoint_with_a_lower_learning_rate(
         assert "still diverging after 2 rollbacks" in _two_lines(result.stderr)[0]
 
 
+# Ctrl-C (exit 130, the step and the newest checkpoint named) is checked on the Ctrl-C run of
+# tests/test_lifecycle.py.
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(packed: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """The restart tests' reference: their run never interrupted, on 2 in-process ranks (what the tests

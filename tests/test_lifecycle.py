@@ -154,6 +154,10 @@ def test_a_killed_launcher_takes_its_ranks_down_and_the_next_run_marks_it_failed
     assert f"kaisoku: the earlier run in {run_dir} stopped without a word" in later.stderr
 
 
+# A rank killed and restarted (its one line, failure record, metrics once, RAM tier reclaimed) is checked on
+# the bit-identical restart run of tests/test_failures.py.
+
+
 @pytest.mark.timeout(300)
 def test_cache_trouble_is_one_line_on_the_terminal_and_never_damaged_data(
     tmp_path: Path, packed: Path
