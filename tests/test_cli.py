@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.train_harness import kaisoku_in_process
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -18,18 +20,22 @@ def _kaisoku(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
     )
 
 
+#: The first mistake goes through a real ``python -m kaisoku`` process; the others through the same code in
+#: this process (each process start imports torch).
 @pytest.mark.parametrize(
-    ("args", "expected"),
+    ("args", "expected", "own_process"),
     [
-        (["train", "--optim.lrr", "1"], "unknown config key 'optim.lrr'"),
-        (["train", "--optim.name", "adam"], "choose one of: sgd, lars, lamb, adamw"),
-        (["train", "--preset", "nope"], "choose one of: cpu-demo"),
-        (["train", "--train.epochs", "x"], "train.epochs: 'x' is not a float"),
-        (["bench", "nosuch"], "unknown benchmark 'nosuch'"),
+        (["train", "--optim.lrr", "1"], "unknown config key 'optim.lrr'", True),
+        (["train", "--optim.name", "adam"], "choose one of: sgd, lars, lamb, adamw", False),
+        (["train", "--preset", "nope"], "choose one of: cpu-demo", False),
+        (["train", "--train.epochs", "x"], "train.epochs: 'x' is not a float", False),
+        (["bench", "nosuch"], "unknown benchmark 'nosuch'", False),
     ],
 )
-def test_user_mistakes_are_one_line_exit_2(args: list[str], expected: str) -> None:
-    result = _kaisoku(*args)
+def test_user_mistakes_are_one_line_exit_2(
+    args: list[str], expected: str, own_process: bool, capfd: pytest.CaptureFixture[str]
+) -> None:
+    result = _kaisoku(*args) if own_process else kaisoku_in_process(capfd, *args)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -37,10 +43,10 @@ def test_user_mistakes_are_one_line_exit_2(args: list[str], expected: str) -> No
     assert "Traceback" not in result.stderr
 
 
-def test_print_config_is_resolved_toml(tmp_path: Path) -> None:
+def test_print_config_is_resolved_toml(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     extra = tmp_path / "extra.toml"
     extra.write_text("[optim]\nlr = 0.7\n[train]\nseed = 3\n")
-    result = _kaisoku("train", "--config", str(extra), "--train.seed", "5", "--print-config")
+    result = kaisoku_in_process(capfd, "train", "--config", str(extra), "--train.seed", "5", "--print-config")
     assert result.returncode == 0, result.stderr
     parsed = tomllib.loads(result.stdout)
     assert parsed["optim"]["lr"] == 0.7
@@ -89,8 +95,10 @@ def test_version_prints_the_package_version() -> None:
     assert result.stdout.strip() == f"kaisoku {version('kaisoku')}"
 
 
-def test_train_help_prints_help_texts_with_a_percent_sign_as_written() -> None:
-    result = _kaisoku("train", "--help")
+def test_train_help_prints_help_texts_with_a_percent_sign_as_written(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    result = kaisoku_in_process(capfd, "train", "--help")
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())  # argparse wraps the help text
     assert "about 0.5% relative error" in text

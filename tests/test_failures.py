@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
@@ -14,7 +15,8 @@ import torch
 
 from kaisoku.data.datagen import generate
 from kaisoku.data.shards.writer import pack
-from tests.train_harness import metric_lines, rank_pid, train_args, train_env, wait_for
+from tests.dist_harness import run_ranks
+from tests.train_harness import metric_lines, rank_pid, train_args, train_env, train_to_the_end, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -123,31 +125,18 @@ def test_rollback_reloads_a_finite_checkpoint_with_a_lower_learning_rate(
         assert "still diverging after 2 rollbacks" in _two_lines(result.stderr)[0]
 
 
-@pytest.mark.timeout(300)
-def test_ctrl_c_exits_130_naming_the_step_and_the_newest_checkpoint(tmp_path: Path, packed: Path) -> None:
-    run_dir = tmp_path / "run"
-    args = train_args(packed, run_dir, "--model.name", "small-cnn", "--train.epochs", "200")
-    proc = subprocess.Popen(
-        [*args, "--checkpoint.every-steps", "3"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=train_env(), start_new_session=True,
-    )  # fmt: skip
-    assert wait_for(lambda: len(list((run_dir / "checkpoints").glob("step-*.pt"))) >= 1, 180)
-    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
-    _, stderr = proc.communicate(timeout=90)
-    assert proc.returncode == 130, stderr
-    cause, hint = _two_lines(stderr)
-    newest = max(int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*.pt"))
-    assert cause.startswith("kaisoku: error: interrupted at step ")
-    assert cause.endswith(f"; checkpoint step {newest} is the newest"), cause
-    assert "--resume auto" in hint
+# Ctrl-C (exit 130, the step and the newest checkpoint named) is checked on the Ctrl-C run of
+# tests/test_lifecycle.py.
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(packed: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    result = _run(train_args(packed, run_dir, *_RESTART_ARGS))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return torch.load(run_dir / "checkpoints" / "step-00000030.pt", weights_only=True)["model"]
+    """The restart tests' reference: their run never interrupted, on 2 in-process ranks (what the tests
+    check is the restarted `kaisoku train` run; this one only gives the weights it must end with)."""
+    root = tmp_path_factory.mktemp("reference")
+    argv = train_args(packed, root / "run", *_RESTART_ARGS)[4:]  # after `python -m kaisoku train`
+    run_ranks(train_to_the_end, 2, root, argv, timeout=240)
+    return torch.load(root / "run" / "checkpoints" / "step-00000030.pt", weights_only=True)["model"]
 
 
 _RESTART_ARGS = ("--model.name", "small-cnn", "--train.epochs", "3", "--checkpoint.every-steps", "2")
@@ -159,8 +148,13 @@ _RESTART_ARGS = ("--model.name", "small-cnn", "--train.epochs", "3", "--checkpoi
 def test_a_killed_rank_restarts_once_and_finishes_bit_identical(
     tmp_path: Path, packed: Path, uninterrupted: dict[str, torch.Tensor], rank: int, after_lines: int
 ) -> None:
-    run_dir = tmp_path / "run"
-    args = train_args(packed, run_dir, *_RESTART_ARGS, "--max-restarts", "1")
+    """Also the restart's one line, its failure record, each step's metrics once and the RAM tier
+    reclaimed (rank 0 owns the node's RAM tier)."""
+    run_dir, ram = tmp_path / "run", tmp_path / "ram"
+    args = train_args(
+        packed, run_dir, *_RESTART_ARGS, "--max-restarts", "1", "--data.ram-dir", str(ram),
+        "--data.ram-capacity", "1MiB",
+    )  # fmt: skip
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=train_env())
     metrics = run_dir / "metrics.jsonl"
     assert wait_for(lambda: metrics.exists() and metrics.read_text().count('"loss"') >= after_lines, 180)
@@ -174,3 +168,18 @@ def test_a_killed_rank_restarts_once_and_finishes_bit_identical(
     final = torch.load(run_dir / "checkpoints" / "step-00000030.pt", weights_only=True)["model"]
     assert final.keys() == uninterrupted.keys()
     assert all(torch.equal(final[key], uninterrupted[key]) for key in final)
+    if rank != 0:
+        return
+    restart_lines = [line for line in stderr.splitlines() if "restart 1 of 1" in line]
+    assert restart_lines == [
+        f"kaisoku: rank 0 on {socket.gethostname()} died (signal SIGKILL); restart 1 of 1 continues from "
+        + restart_lines[0].split("continues from ")[1]
+    ]
+    assert restart_lines[0].split("continues from ")[1].startswith("checkpoint step ")
+    record = json.loads((run_dir / "logs" / "failure-rank-0.json").read_text())
+    assert record["kind"] == "peer" and "signal SIGKILL" in record["cause"] and record["attempt"] == 0
+    lines = metric_lines(run_dir)
+    steps = [r["step"] for r in lines if "loss" in r]
+    assert steps == sorted(set(steps)) and steps[-1] == 30
+    assert [r["restart"] for r in lines if r.get("event") == "resume"] == [1]
+    assert list(ram.iterdir()) == []  # the killed rank's tier was reclaimed

@@ -10,7 +10,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+from kaisoku.cli import resolve_config
 from kaisoku.config import Config, apply_override
+from kaisoku.distributed.env import World
+from kaisoku.engine.build import build_trainer
 
 
 def train_args(data: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -29,6 +34,30 @@ def train_args(data: Path, run_dir: Path, *extra: str) -> list[str]:
         "--metrics.progress", "false",
         *extra,
     ]  # fmt: skip
+
+
+def kaisoku_in_process(capfd: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``kaisoku ARGS`` through :func:`kaisoku.cli.main` in this process, for commands refused before any
+    rank starts: the command's own code and output without a process start that imports torch (a
+    traceback would fail the test as an exception)."""
+    from kaisoku.cli import main
+
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main(list(args))
+    stdout, stderr = capfd.readouterr()
+    return subprocess.CompletedProcess(list(args), exited.value.code or 0, stdout, stderr)
+
+
+def train_to_the_end(rank: int, world_size: int, tmp: Path, argv: list[str]) -> None:
+    """A :func:`tests.dist_harness.run_ranks` body: on this rank, the run of ``argv`` (``kaisoku train``'s
+    arguments, e.g. ``train_args(...)[4:]``) to its end, in this process: the reference weights a test of
+    a launched run compares with, without a launch of its own."""
+    cfg, _ = resolve_config(argv)
+    world = World(rank=rank, world_size=world_size, local_world_size=world_size)
+    trainer = build_trainer(cfg, world, resume=cfg.checkpoint.resume)
+    trainer.fit()
+    trainer.metrics.close()
 
 
 def train_env(**extra: str) -> dict[str, str]:

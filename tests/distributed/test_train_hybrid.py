@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,7 @@ from kaisoku.optim.factory import build_optimizer, build_optimizer_from_named, b
 from kaisoku.optim.schedules import schedule_factor
 from kaisoku.run_facts import check_config
 from tests.dist_harness import run_ranks
-from tests.train_harness import tiny_config
+from tests.train_harness import kaisoku_in_process, tiny_config
 
 # 80 samples / global batch 16 = 5 steps per epoch.
 STEPS_PER_EPOCH = 5
@@ -317,26 +315,11 @@ def test_defaults_and_plain_dp_stay_valid() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_cli_reports_a_layout_that_does_not_fill_the_world_in_one_line(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kaisoku",
-            "train",
-            "--nproc",
-            "2",
-            "--parallel.pp",
-            "2",
-            "--parallel.dp",
-            "2",
-            "--run-dir",
-            str(tmp_path / "run"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def test_cli_reports_a_layout_that_does_not_fill_the_world_in_one_line(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--nproc", "2", "--parallel.pp", "2", "--parallel.dp", "2", "--run-dir", str(tmp_path / "run")]
+    result = kaisoku_in_process(capfd, "train", *args)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
