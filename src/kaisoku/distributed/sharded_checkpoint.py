@@ -20,15 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
 from torch.optim import Optimizer
 
 from kaisoku.errors import KaisokuError
@@ -37,14 +29,25 @@ from kaisoku.errors import KaisokuError
 METADATA_FILE = ".metadata"
 
 
+def _dcp() -> Any:
+    """``torch.distributed.checkpoint``, imported on first use: it takes about 1.7 s to import, and every
+    process that imports the engine would pay it, sharded or not (start-up time)."""
+    import torch.distributed.checkpoint as dcp  # in-function: start-up time (see the docstring)
+    import torch.distributed.checkpoint.format_utils
+    import torch.distributed.checkpoint.state_dict  # noqa: F401  (the submodules used below)
+
+    return dcp
+
+
 def sharded_state(model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(model_state, optimizer_state)`` keyed by parameter name; sharded parameters stay DTensor shards."""
-    return get_state_dict(model, optimizer)
+    return _dcp().state_dict.get_state_dict(model, optimizer)
 
 
 def save_sharded(state: dict[str, Any], folder: Path) -> None:
     """Write ``state`` (tensors, DTensor shards, small objects) into ``folder``: every rank its own file,
     fsynced; rank 0 writes the metadata last. A collective: every rank calls it with its own shards."""
+    dcp = _dcp()
     writer = dcp.FileSystemWriter(folder, sync_files=True, thread_count=1)
     dcp.save(state, storage_writer=writer)
 
@@ -66,6 +69,7 @@ class BackgroundSaver:
         once this rank's shards are written, and on rank 0 once the metadata is too."""
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
+        dcp = _dcp()
         writer = dcp.FileSystemWriter(folder, sync_files=True, thread_count=1)
         started = dcp.async_save(state, storage_writer=writer, process_group=self._group)
         # A stager that stages asynchronously answers with two futures; the write's is the one to wait for.
@@ -79,9 +83,12 @@ def read_whole(folder: Path, scratch: Path) -> dict[str, Any]:
     ``scratch``: a file path for torch's own converter (``dcp_to_torch_save``) to write the whole state
     into; it is memory-mapped back, so the state is never held twice in memory, and removed by the caller.
     """
+    dcp = _dcp()
     try:
-        dcp_to_torch_save(folder, scratch)
-    except CheckpointException as error:  # a BaseException: each rank's failure wrapped (one rank here)
+        dcp.format_utils.dcp_to_torch_save(folder, scratch)
+    except (
+        dcp.api.CheckpointException
+    ) as error:  # a BaseException: each rank's failure wrapped (one rank here)
         # Each failure is torch's (exception, stack) pair.
         causes = [
             failure[0] if isinstance(failure, tuple) else failure for failure in error.failures.values()
@@ -97,6 +104,7 @@ def write_whole(state: dict[str, Any], folder: Path) -> None:
     """Write ``state`` (whole tensors, keyed as :func:`sharded_state` keys them) into ``folder`` as a sharded
     checkpoint of one shard, from one process with no process group (what torch's ``torch_save_to_dcp``
     does, without its unsafe load of a file); any layout reads it as it reads any other."""
+    dcp = _dcp()
     writer = dcp.FileSystemWriter(folder, sync_files=True, thread_count=1)
     with warnings.catch_warnings():
         # One process with no group is the intent here; torch warns that it assumes so.
@@ -108,7 +116,8 @@ def _read_into(folder: str | Path, model: nn.Module, optimizer: Optimizer) -> tu
     """This model's and optimizer's state, read from the sharded checkpoint ``folder`` into their layout."""
     # The templates say which pieces this rank needs; an optimizer without state yet gets it by a
     # zero-learning-rate step inside get_state_dict (then overwritten here).
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp = _dcp()
+    model_state, optimizer_state = dcp.state_dict.get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, storage_reader=dcp.FileSystemReader(folder))
     return state["model"], state["optimizer"]
@@ -117,7 +126,9 @@ def _read_into(folder: str | Path, model: nn.Module, optimizer: Optimizer) -> tu
 def load_sharded(folder: str | Path, model: nn.Module, optimizer: Optimizer) -> None:
     """Load the sharded checkpoint ``folder`` into ``model`` and ``optimizer`` (sharded or not, any layout)."""
     model_state, optimizer_state = _read_into(folder, model, optimizer)
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    _dcp().state_dict.set_state_dict(
+        model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state
+    )
 
 
 def read_full_state(folder: str | Path, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
@@ -154,10 +165,10 @@ def load_full_into_sharded(
 ) -> None:
     """Load whole-tensor model and optimizer state (a single-file checkpoint) into a sharded model: each
     rank keeps its own pieces."""
-    set_state_dict(
+    _dcp().state_dict.set_state_dict(
         model,
         optimizer,
         model_state_dict=model_state,
         optim_state_dict=named_optimizer_state(optimizer_state, optimizer, model),
-        options=StateDictOptions(full_state_dict=True),
+        options=_dcp().state_dict.StateDictOptions(full_state_dict=True),
     )
