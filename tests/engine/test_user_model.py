@@ -14,7 +14,7 @@ import torch
 
 from kaisoku.engine.checkpoint import CheckpointManager
 from tests.dist_harness import run_ranks
-from tests.train_harness import kaisoku_in_process, kill_and_collect, train_env, wait_for
+from tests.train_harness import kaisoku_in_process, kill_and_collect, rank_pid, train_env, wait_for
 
 USER_FILES = Path(__file__).resolve().parents[1] / "user_files"
 STEPS = 8  # one epoch of 256 samples at a global batch of 32
@@ -255,3 +255,41 @@ def test_launch_exits_with_the_ranks_own_line_and_code(tmp_path: Path) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "data.global_batch 33 is not a multiple of the world size 2" in lines[0], lines
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_launch_script_takes_its_ranks_down(tmp_path: Path) -> None:
+    """``kaisoku.launch``'s ranks stop when the script that launched them is killed (no rank trains on alone)."""
+    script = tmp_path / "long.py"
+    script.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "from torch.utils.data import TensorDataset\n"
+        "import kaisoku\n\n"
+        "def main() -> None:\n"
+        f"    cfg = kaisoku.Config(run_dir={str(tmp_path / 'run')!r})\n"
+        "    cfg.data.global_batch, cfg.data.workers, cfg.train.epochs = 8, 0, 10000\n"
+        "    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))\n"
+        "    kaisoku.fit(cfg, model=nn.Linear(4, 2), data=data)\n\n"
+        "if __name__ == '__main__':\n"
+        "    kaisoku.launch(main, nproc=2)\n"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=train_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        assert wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, 120), "the run never started"
+        ranks = [rank_pid(launcher.pid, rank) for rank in (0, 1)]
+        assert None not in ranks
+        launcher.kill()
+        launcher.communicate(timeout=30)
+        assert wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in ranks), 60), (
+            "ranks still run"
+        )
+    finally:
+        launcher.kill()

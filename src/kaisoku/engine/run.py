@@ -146,8 +146,9 @@ def run_training(
     if restart > 0:
         resume = "auto"  # a rank restarted by torchrun continues from the newest checkpoint
     lock: run_dir_lock.RunFolderLock | None = None
+    # Ranks started by launch_local (kaisoku train, kaisoku.launch) stop when their launcher is killed.
+    die_with_launcher()
     if launched:
-        die_with_launcher()
         failures.redirect_to_log(run_dir, world.rank, keep_stdout=world.is_main)
     if not launched or multihost:  # no single kaisoku launcher holds the run folder and run.json: rank 0 does
         claimed = cfg
