@@ -225,24 +225,30 @@ def test_import_path_errors_are_one_line_before_launch(
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.timeout(180)
-def test_launch_exits_with_the_ranks_own_line_and_code(tmp_path: Path) -> None:
-    """Settings ``kaisoku.fit`` refuses on every rank of ``kaisoku.launch``: rank 0's one line, exit 2, as
-    ``kaisoku train`` says it (no second line pointing at a run folder that was never made)."""
-    script = tmp_path / "refused.py"
-    script.write_text(
+def _launch_script(path: Path, settings: str) -> Path:
+    """A user's script at ``path``: ``kaisoku.fit`` of a linear model on 64 samples under ``settings`` (one
+    line of Python on ``cfg``), run by ``kaisoku.launch`` on 2 ranks; its run folder is ``run`` beside it."""
+    path.write_text(
         "import torch\n"
         "from torch import nn\n"
         "from torch.utils.data import TensorDataset\n"
         "import kaisoku\n\n"
         "def main() -> None:\n"
-        f"    cfg = kaisoku.Config(run_dir={str(tmp_path / 'run')!r})\n"
-        "    cfg.data.global_batch = 33\n"
-        "    data = TensorDataset(torch.zeros(64, 4), torch.zeros(64, dtype=torch.long))\n"
+        f"    cfg = kaisoku.Config(run_dir={str(path.parent / 'run')!r})\n"
+        f"    {settings}\n"
+        "    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))\n"
         "    kaisoku.fit(cfg, model=nn.Linear(4, 2), data=data)\n\n"
         "if __name__ == '__main__':\n"
         "    kaisoku.launch(main, nproc=2)\n"
     )
+    return path
+
+
+@pytest.mark.timeout(180)
+def test_launch_exits_with_the_ranks_own_line_and_code(tmp_path: Path) -> None:
+    """Settings ``kaisoku.fit`` refuses on every rank of ``kaisoku.launch``: rank 0's one line, exit 2, as
+    ``kaisoku train`` says it (no second line pointing at a run folder that was never made)."""
+    script = _launch_script(tmp_path / "refused.py", "cfg.data.global_batch = 33")
     result = subprocess.run(
         [sys.executable, str(script)],
         cwd=tmp_path,
@@ -260,19 +266,8 @@ def test_launch_exits_with_the_ranks_own_line_and_code(tmp_path: Path) -> None:
 @pytest.mark.timeout(180)
 def test_a_killed_launch_script_takes_its_ranks_down(tmp_path: Path) -> None:
     """``kaisoku.launch``'s ranks stop when the script that launched them is killed (no rank trains on alone)."""
-    script = tmp_path / "long.py"
-    script.write_text(
-        "import torch\n"
-        "from torch import nn\n"
-        "from torch.utils.data import TensorDataset\n"
-        "import kaisoku\n\n"
-        "def main() -> None:\n"
-        f"    cfg = kaisoku.Config(run_dir={str(tmp_path / 'run')!r})\n"
-        "    cfg.data.global_batch, cfg.data.workers, cfg.train.epochs = 8, 0, 10000\n"
-        "    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))\n"
-        "    kaisoku.fit(cfg, model=nn.Linear(4, 2), data=data)\n\n"
-        "if __name__ == '__main__':\n"
-        "    kaisoku.launch(main, nproc=2)\n"
+    script = _launch_script(
+        tmp_path / "long.py", "cfg.data.global_batch, cfg.data.workers, cfg.train.epochs = 8, 0, 10000"
     )
     launcher = subprocess.Popen(
         [sys.executable, str(script)],

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from kaisoku.bench.goals import goal as goal  # the benchmarks take goal entries from here
 from kaisoku.bench.goals import unmet_goals as unmet_goals
@@ -33,6 +34,17 @@ from kaisoku.fsutil import atomic_write_text
 
 #: Where recorded results live, relative to a checkout.
 RESULTS = Path("benchmarks") / "results"
+
+
+def slowest_rank_seconds(block: Callable[[], None], steps: int) -> float:
+    """Seconds per step of ``block`` (``steps`` steps) on the slowest rank: every rank starts together and
+    gets the same figure. A collective."""
+    dist.barrier()
+    start = time.perf_counter()
+    block()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed.item()) / steps
 
 
 def median_iqr(values: Sequence[float]) -> tuple[float, float]:

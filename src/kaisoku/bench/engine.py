@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import math
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from kaisoku.bench.common import goal, median_iqr, print_table, write_result
+from kaisoku.bench.common import goal, median_iqr, print_table, slowest_rank_seconds, write_result
 from kaisoku.bench.goals import Interval
 from kaisoku.config import Config
 from kaisoku.data.datagen import generate
@@ -152,16 +150,6 @@ class MinimalLoop:
         loss.item()
 
 
-def _timed(block: Callable[[], None], steps: int) -> float:
-    """Seconds per step of ``block`` on the slowest rank (every rank gets the same figure)."""
-    dist.barrier()
-    start = time.perf_counter()
-    block()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed.item()) / steps
-
-
 def measure_row(cfg: Config, world: World, plan: dict[str, int]) -> dict[str, Any]:
     """Rounds of kaisoku and the minimal loop on ``cfg``'s data: at least ``min_rounds``, then until
     ``row_seconds`` of measured time are spent or ``max_rounds`` are done.
@@ -182,7 +170,7 @@ def measure_row(cfg: Config, world: World, plan: dict[str, int]) -> dict[str, An
     }
     for _ in range(2):  # warm-up: loader workers, allocator, DDP bucket rebuild
         for block in blocks.values():
-            _timed(block, chunk)
+            slowest_rank_seconds(block, chunk)
     rounds: list[dict[str, float]] = []
     spent = 0.0
     while len(rounds) < plan["max_rounds"]:
@@ -190,7 +178,7 @@ def measure_row(cfg: Config, world: World, plan: dict[str, int]) -> dict[str, An
         for pair in range(plan["chunks_per_round"]):
             order = list(blocks) if pair % 2 == 0 else list(reversed(blocks))
             for name in order:
-                totals[name] += _timed(blocks[name], chunk)
+                totals[name] += slowest_rank_seconds(blocks[name], chunk)
         pairs = plan["chunks_per_round"]
         spent += chunk * (totals["kaisoku"] + totals["minimal"])
         rounds.append(

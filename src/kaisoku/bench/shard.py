@@ -27,7 +27,6 @@ import gc
 import math
 import os
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 from torchvision.models import VisionTransformer
 
-from kaisoku.bench.common import goal, interleaved, median_iqr, print_table, write_result
+from kaisoku.bench.common import (
+    goal,
+    interleaved,
+    median_iqr,
+    print_table,
+    slowest_rank_seconds,
+    write_result,
+)
 from kaisoku.distributed.mesh import build_data_mesh
 from kaisoku.distributed.sharded_checkpoint import load_sharded, save_sharded, sharded_state
 from kaisoku.distributed.sharding import shard_model, shard_norm_reducer
@@ -183,16 +189,6 @@ def parameters(width: int, layers: int) -> int:
 # ------------------------------------------------------------------------------------------- step time
 
 
-def _timed(block: Callable[[], None], steps: int) -> float:
-    """Seconds per step of ``block`` on the slowest rank."""
-    dist.barrier()
-    start = time.perf_counter()
-    block()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed.item()) / steps
-
-
 def _step_times(plan: dict[str, Any], mesh: Any) -> dict[str, Any]:
     width, layers, steps, rank = plan["step_width"], plan["layers"], plan["step_steps"], dist.get_rank()
     torch.manual_seed(0)
@@ -230,9 +226,10 @@ def _step_times(plan: dict[str, Any], mesh: Any) -> dict[str, Any]:
         "ddp": plain(ddp, ddp_optimizer),
     }
     for block in blocks.values():  # warm-up
-        _timed(block, steps)
+        slowest_rank_seconds(block, steps)
     times = interleaved(
-        {name: (lambda b=block: _timed(b, steps)) for name, block in blocks.items()}, plan["rounds"]
+        {name: (lambda b=block: slowest_rank_seconds(b, steps)) for name, block in blocks.items()},
+        plan["rounds"],
     )
     # What full sharding adds: every block's weights gathered twice a step (forward and backward).
     shard_numel = math.ceil(
@@ -242,7 +239,8 @@ def _step_times(plan: dict[str, Any], mesh: Any) -> dict[str, Any]:
     whole = torch.zeros(shard_numel * WORLD_SIZE)
     group = mesh.get_group("dp_shard")
     gather = [
-        _timed(lambda: dist.all_gather_single(whole, local, group=group), 1) for _ in range(plan["rounds"])
+        slowest_rank_seconds(lambda: dist.all_gather_single(whole, local, group=group), 1)
+        for _ in range(plan["rounds"])
     ]
     return {"seconds": times, "allgather_s": gather}
 
@@ -270,7 +268,7 @@ def _save_times(tmp: Path, plan: dict[str, Any], mesh: Any) -> dict[str, Any]:
         if rank == 0:
             folder.mkdir()
         dist.barrier()
-        seconds = _timed(lambda: save_sharded(state, folder), 1)
+        seconds = slowest_rank_seconds(lambda: save_sharded(state, folder), 1)
         last[0] = folder
         return seconds
 
@@ -282,7 +280,7 @@ def _save_times(tmp: Path, plan: dict[str, Any], mesh: Any) -> dict[str, Any]:
                     handle.flush()
                     os.fsync(handle.fileno())
 
-        return _timed(save, 1)
+        return slowest_rank_seconds(save, 1)
 
     times = interleaved({"sharded": sharded, "rank0": rank0}, plan["save_rounds"])
     numel = sum(p.numel() for p in whole_model.values())
@@ -291,7 +289,7 @@ def _save_times(tmp: Path, plan: dict[str, Any], mesh: Any) -> dict[str, Any]:
     # The sharded folder read onto another layout: an unsharded model and optimizer on every rank.
     plain = vit(plan["save_width"], plan["save_layers"])
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
-    load = _timed(lambda: load_sharded(last[0], plain, plain_optimizer), 1)
+    load = slowest_rank_seconds(lambda: load_sharded(last[0], plain, plain_optimizer), 1)
     return {"seconds": times, "parameters": numel, "load_unsharded_s": load}
 
 
