@@ -54,6 +54,7 @@ from kaisoku.distributed.sharding import shard_model, shard_norm_reducer
 from kaisoku.distributed.spawn import run_ranks
 from kaisoku.engine.sharded import ShardedStep
 from kaisoku.engine.step import Precision
+from kaisoku.memory.measure import read_peak_bytes, read_rss_bytes, reset_peak
 from kaisoku.optim.factory import param_groups
 from kaisoku.optim.lars import LARS
 
@@ -104,13 +105,6 @@ _LIBC = ctypes.CDLL("libc.so.6")
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
-def _proc_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def _release() -> None:
     gc.collect()
     _LIBC.malloc_trim(0)
@@ -134,8 +128,8 @@ def _sharded_on_meta(width: int, layers: int, mesh: Any) -> nn.Module:
 def _peak_mib(layout: str, width: int, layers: int, mesh: Any) -> float:
     """The largest over ranks of the resident-set peak of building ``layout`` and two AdamW steps."""
     _release()
-    base = _proc_kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts from here
+    base = read_rss_bytes()
+    reset_peak()  # the high-water mark restarts from here
     if layout == "full":
         model = _sharded_on_meta(width, layers, mesh)
     else:
@@ -146,7 +140,7 @@ def _peak_mib(layout: str, width: int, layers: int, mesh: Any) -> float:
         nn.functional.cross_entropy(model(images), labels).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    peak = torch.tensor([(_proc_kib("VmHWM") - base) / 1024.0], dtype=torch.float64)
+    peak = torch.tensor([(read_peak_bytes() - base) / 2**20], dtype=torch.float64)
     del model, optimizer
     _release()
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
