@@ -32,6 +32,7 @@ def check_record(record: dict[str, Any], expected_goals: set[str]) -> None:
         "torch",
         "python",
         "cpu",
+        "cpu_capability",
         "cpu_cores",
         "gpu",
         "wall_seconds",
@@ -45,6 +46,7 @@ def check_record(record: dict[str, Any], expected_goals: set[str]) -> None:
         assert len(record["diff_sha256"]) == 64
     assert len(record["load_average"]["before"]) == 3 and len(record["load_average"]["after"]) == 3
     assert record["cpu_cores"] >= 1 and record["wall_seconds"] >= 0
+    assert isinstance(record["cpu_capability"], str) and record["cpu_capability"], record
     assert record["quick"] is True
     # Benchmarks gain goals as their issues land; the ones named here must never go missing.
     assert expected_goals <= set(record["summary"]), expected_goals - set(record["summary"])

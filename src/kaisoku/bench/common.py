@@ -305,6 +305,9 @@ def provenance(info: RunInfo) -> dict[str, Any]:
             "torch": torch.__version__,
             "python": platform.python_version(),
             "cpu": cpu_model(),
+            # The vector level torch dispatches to: a VM may name only "AMD EPYC", and AVX2 against
+            # AVX512 alone changes convolution times several-fold between records.
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cpu_cores": len(os.sched_getaffinity(0)),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "load_average": {"before": info.load_before, "after": load_average()},
