@@ -58,7 +58,8 @@ GOALS: dict[str, set[str]] = {
         "planner_60pct_slowdown",
         "planner_40pct_slowdown",
         "compression_val_accuracy_gap_points",
-        "offload_rows",
+        "offload_rise_vs_plain_worst",
+        "offload_slowdown_worst",
     },
     "plan": {
         "epoch_time_median_abs_error",

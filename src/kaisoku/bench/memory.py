@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from kaisoku.bench.common import bench_device, goal, interleaved, median_iqr, record_and_show
+from kaisoku.bench.common import bench_device, goal, interleaved, locate_mnist, median_iqr, record_and_show
 from kaisoku.bench.goals import worst_goal
+from kaisoku.bench.parallel_mnist import packed_mnist
 from kaisoku.config import Config, OptimConfig, SchedConfig
 from kaisoku.config_sections import MemoryConfig
-from kaisoku.data.datagen import generate
 from kaisoku.distributed.env import World
 from kaisoku.engine.build import build_trainer
 from kaisoku.engine.compile import synthetic_batch
@@ -92,7 +92,7 @@ FULL = Sizes(
         "resnet18": tuple(t for t in TECHNIQUES if t not in ("compress-int8", "blocks+in-backward")),
         "vit": ("plain", "recompute-blocks", "update-in-backward", "compress-bf16", "offload-disk"),
     },
-    accuracy={"count": 4096, "val_count": 1000, "size": 16, "batch": 32, "epochs": 2},
+    accuracy={"count": 9600, "val_count": 5000, "batch": 64, "epochs": 2, "seeds": 3},
     planner={"resnet18": tuple(PLANNER), "vit": tuple(PLANNER)},
 )
 QUICK = Sizes(
@@ -102,7 +102,7 @@ QUICK = Sizes(
     unit=8,
     probes=0,
     techniques={"resnet18": ("plain", "blocks+in-backward"), "vit": ("plain", "offload-disk")},
-    accuracy={"count": 32, "val_count": 16, "size": 16, "batch": 16, "epochs": 1},
+    accuracy={"count": 64, "val_count": 32, "batch": 16, "epochs": 1, "seeds": 2},
     planner={"vit": ("planner-60%",)},
     accuracy_modes=("none", "bf16"),
 )
@@ -293,31 +293,32 @@ def largest_batch(budget_mib: float, sizes: Sizes, offload_dir: str) -> tuple[in
     return lo, probes
 
 
-def accuracy_run(sizes: Sizes, work: Path) -> dict[str, float]:
-    """Validation accuracy of a short ``kaisoku train`` run per saved-activation mode (none, bf16, int8)."""
+def accuracy_run(sizes: Sizes, work: Path) -> tuple[dict[str, dict[int, float]], str]:
+    """Validation accuracy (percent) of ``kaisoku train`` runs of small-cnn on MNIST per saved-activation mode
+    and seed, the modes in rotated order per seed; ({}, why) where MNIST is absent."""
+    mnist = locate_mnist()
+    if mnist is None:
+        return {}, "mnist.npz not found (pass --mnist or set KAISOKU_MNIST)"
     acc = sizes.accuracy
-    data = generate(
-        work / "shapes", count=acc["count"], size=acc["size"], val_count=acc["val_count"], workers=1
-    )
-    out: dict[str, float] = {}
-    for mode in sizes.accuracy_modes:
-        cfg = Config(run_dir=str(work / f"run-{mode}"))
-        cfg.data.path, cfg.data.image_size, cfg.data.global_batch = str(data), acc["size"], acc["batch"]
-        cfg.data.workers = 0
-        # The recipe of bench precision's shapes task: SGD sits at chance this early on this set.
-        cfg.data.crop_scale_min = 1.0
-        cfg.model.name, cfg.model.stem = "resnet10", "compact"
-        cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay = "adamw", 6e-3, 0.05
-        cfg.sched.name, cfg.sched.warmup_epochs = "cosine", 0.1
-        cfg.train.epochs = acc["epochs"]
-        cfg.metrics.progress = False
-        cfg.memory.compress = mode  # type: ignore[assignment]
-        check_config(cfg, 1)
-        trainer = build_trainer(cfg, World())
-        summary = trainer.fit()
-        trainer.metrics.close()
-        out[mode] = 100.0 * float(summary["val_accuracy"])
-    return out
+    data = packed_mnist(mnist, work, acc["count"], acc["val_count"])
+    out: dict[str, dict[int, float]] = {mode: {} for mode in sizes.accuracy_modes}
+    modes = list(sizes.accuracy_modes)
+    for index, seed in enumerate(range(acc["seeds"])):
+        shift = index % len(modes)
+        for mode in modes[shift:] + modes[:shift]:
+            cfg = Config(run_dir=str(work / f"run-{mode}-{seed}"))
+            cfg.data.path, cfg.data.global_batch, cfg.data.workers = str(data), acc["batch"], 0
+            cfg.model.name = "small-cnn"
+            cfg.optim.lr, cfg.sched.warmup_epochs = 0.1, 0.1
+            cfg.train.epochs, cfg.train.seed = acc["epochs"], seed
+            cfg.metrics.progress = False
+            cfg.memory.compress = mode  # type: ignore[assignment]
+            check_config(cfg, 1)
+            trainer = build_trainer(cfg, World())
+            summary = trainer.fit()
+            trainer.metrics.close()
+            out[mode][seed] = 100.0 * float(summary["val_accuracy"])
+    return out, ""
 
 
 def run(quick: bool, out_dir: Path) -> dict[str, Any]:
@@ -332,7 +333,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
             rows += measure_model(model, sizes, offload_dir)
         plain = next(r for r in rows if r["model"] == "resnet18" and r["technique"] == "plain")
         best, probes = largest_batch(plain["rise_mib"], sizes, offload_dir)
-        accuracy = accuracy_run(sizes, work)
+        accuracy, no_accuracy = accuracy_run(sizes, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     ratio = best / sizes.batch["resnet18"]
@@ -349,9 +350,12 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
             reason = "not run in --quick"
         slowdown[name] = worst_goal(ran, target, unit="rounds", reason=reason)
     offload_rows = [r for r in rows if "offload" in r["technique"]]
-    # Signed: below 0 a compressed run is worse than plain; the worse of the two codecs is the figure.
-    gaps = {mode: accuracy[mode] - accuracy["none"] for mode in accuracy if mode != "none"}
-    worse = min(gaps, key=gaps.__getitem__)
+    # Signed, per seed: below 0 a compressed run is worse than plain; the worse codec is the figure.
+    gaps = {
+        mode: [accuracy[mode][seed] - accuracy["none"][seed] for seed in sorted(accuracy["none"])]
+        for mode in accuracy
+        if mode != "none"
+    }
     summary = {
         "recompute_and_in_backward_exact": goal(
             float(all(exact.values())),
@@ -380,20 +384,31 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         ),
         "planner_60pct_slowdown": slowdown["planner-60%"],
         "planner_40pct_slowdown": slowdown["planner-40%"],
-        "compression_val_accuracy_gap_points": goal(
-            gaps[worse],
+        "compression_val_accuracy_gap_points": worst_goal(
+            gaps,
             ">= -0.5",
-            codec=worse,
-            gaps_points={mode: round(value, 3) for mode, value in gaps.items()},
-            val_accuracy_pct=accuracy,
-            setup=dict(sizes.accuracy, model="resnet10 compact stem, AdamW 6e-3, cosine"),
+            statistic="mean",
+            unit="seeds",
+            reason=no_accuracy,
+            gaps_points_per_seed={mode: [round(v, 3) for v in values] for mode, values in gaps.items()},
+            val_accuracy_pct={mode: list(by_seed.values()) for mode, by_seed in accuracy.items()},
+            setup=dict(sizes.accuracy, model="small-cnn, SGD lr 0.1, warmup 0.1 epoch, cosine"),
         ),
-        "offload_rows": goal(
-            float(len(offload_rows)),
-            ">= 1",
-            exact="a count of rows",
-            rows={f"{r['model']}/{r['technique']}": r["rise_vs_plain"] for r in offload_rows},
+        # Offload judged as what it is for: memory saved, at a bounded cost in time. The peak is one
+        # deterministic step in a fresh subprocess (the same bytes every time), the time interleaved rounds.
+        "offload_rise_vs_plain_worst": goal(
+            max((r["rise_vs_plain"] for r in offload_rows), default=None),
+            "<= 0.8",
+            exact="peak bytes of one step in a fresh subprocess: the same allocations every run",
+            reason="" if offload_rows else "no offload row ran",
+            per_row={f"{r['model']}/{r['technique']}": r["rise_vs_plain"] for r in offload_rows},
             pinned="CUDA only (memory.offload pinned); not measured on a CPU machine",
+        ),
+        "offload_slowdown_worst": worst_goal(
+            {f"{r['model']}/{r['technique']}": r["time_vs_plain_per_round"] for r in offload_rows},
+            "<= 1.5",
+            unit="rounds",
+            reason="" if offload_rows else "no offload row ran",
         ),
     }
     notes = (

@@ -89,7 +89,7 @@ def _mnist_rank(rank: int, world_size: int, tmp: Path, data: str, seeds: list[in
     return rows
 
 
-def _packed_mnist(path: Path, work: Path, train_limit: int | None, test_limit: int | None) -> Path:
+def packed_mnist(path: Path, work: Path, train_limit: int | None, test_limit: int | None) -> Path:
     """``path`` packed into ``work`` (train and test splits), cut to the limits for quick runs."""
     source = path
     if train_limit is not None or test_limit is not None:
@@ -114,7 +114,7 @@ def bench_mnist(quick: bool, path: Path | None) -> tuple[list[dict[str, Any]], d
     seeds = [0, 1, 2]
     train_limit, test_limit = (512, 1000) if quick else (None, None)
     with tempfile.TemporaryDirectory(prefix="kaisoku-bench-mnist-") as tmp:
-        packed = _packed_mnist(path, Path(tmp), train_limit, test_limit)
+        packed = packed_mnist(path, Path(tmp), train_limit, test_limit)
         raw = run_ranks(
             _mnist_rank, WORLD_SIZE, Path(tmp), str(packed), seeds, timeout=3600.0, collective_timeout=300.0
         )[0]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kaisoku.bench.common import fast_bf16, goal, locate_mnist, record_and_show
-from kaisoku.bench.parallel_mnist import _packed_mnist
+from kaisoku.bench.parallel_mnist import packed_mnist
 from kaisoku.config import Config
 from kaisoku.data.datagen import generate
 from kaisoku.data.shards.writer import pack
@@ -159,7 +159,7 @@ def _prepare(task: Task, work: Path, mnist: Path | None) -> Path | None:
 
         sub = work / "mnist"
         sub.mkdir(parents=True, exist_ok=True)
-        return _packed_mnist(mnist, sub, task.steps * task.batch, task.val_count)
+        return packed_mnist(mnist, sub, task.steps * task.batch, task.val_count)
     folder = generate(
         work / "shapes",
         count=task.steps * task.batch,
