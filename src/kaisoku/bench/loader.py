@@ -1,8 +1,10 @@
 """``kaisoku bench loader``: warm local data against peer loaders and the decode limit; the index's scale.
 
-Rows: the ``ShardLoader`` ``kaisoku train`` builds (and its crop-aware decoding on the ImageNet-like set),
-the peers of :mod:`kaisoku.bench.loader_peers`, and the single-thread decode limit times the cores, over the
-sets of :mod:`kaisoku.bench.imagesets`, interleaved, the first epoch reported apart. The index part is
+Rows: the ``ShardLoader`` ``kaisoku train`` builds (its batch path, the default), the same loader sample by
+sample (``data.loader threads``, with the pixel difference between the two), its crop-aware decoding on the
+ImageNet-like set, the peers of :mod:`kaisoku.bench.loader_peers`, and the single-thread decode limit times
+the cores, over the sets of :mod:`kaisoku.bench.imagesets` (decode + flip, and random-resized-crop + flip),
+interleaved, the first epoch reported apart. The index part is
 :mod:`kaisoku.bench.loader_index`. Setup, goals and limits: ``benchmarks/README.md``, section loader.
 """
 
