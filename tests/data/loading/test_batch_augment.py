@@ -28,6 +28,7 @@ from kaisoku.data.loading.transforms import (
 )
 from kaisoku.data.order.shuffle import ShuffleSpec
 from kaisoku.data.shards.format import read_index
+from tests.data.loading.test_batches import _received_half
 
 SPECS = [
     AugmentSpec(size=24),
@@ -169,3 +170,16 @@ def test_crop_decoding_reads_the_crop_box_region() -> None:
         exact = np.empty((3, 32, 32), dtype=np.uint8)  # the per-sample crop decode, the same region
         crop_decode_into(data, spec, seed=1, epoch=0, index=k, out=exact)
         assert np.abs(got[k].astype(int) - exact.astype(int)).max() <= BATCH_PIXEL_TOLERANCE[0]
+
+
+def test_received_records_go_through_the_batch_path(packed: Path, ram_dir: Path) -> None:
+    reference = _epoch(_loader(packed, path="batch", workers=1), 0)
+    loader = _loader(packed, path="batch", workers=2)
+    loader.cache_settings = type(loader.cache_settings)(ram_dir=str(ram_dir))
+    loader.exchange = _received_half
+    got = _epoch(loader, 0)
+    stats = loader.epoch_stats()
+    loader.close()
+    for (a, la), (b, lb) in zip(reference, got, strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    assert stats is not None and stats["exchanged_bytes"] > 0
