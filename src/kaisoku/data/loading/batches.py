@@ -57,7 +57,8 @@ class ThreadedBatches:
 
     ``chunked`` (a dataset with ``read_batch_into``, image samples): each thread decodes a contiguous
     chunk of the batch in one ``read_batch_into`` call (:mod:`kaisoku.data.loading.batch_augment`) instead
-    of every ``threads``-th sample one call each.
+    of every ``threads``-th sample one call each. (The samples read to size the buffers, the epoch's first,
+    stay the per-sample path's: read once, counted once.)
     """
 
     def __init__(
