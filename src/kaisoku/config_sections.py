@@ -54,7 +54,7 @@ class DataConfig:
     global_batch: int = 128
     """Samples per optimizer step over all ranks; stays fixed whatever the world size."""
     workers: int = 1
-    """Decoding workers per rank: threads for packed data with data.loader threads (at least 1), else DataLoader worker processes (0 decodes in the training process)."""
+    """Decoding workers per rank: threads for packed data with data.loader batch or threads (at least 1), else DataLoader worker processes (0 decodes in the training process)."""
     val_fraction: float = 0.1
     """Fraction of a class-folder dataset held out for validation when it has no val/ split."""
     shuffle: Literal["global", "block", "partial"] = "global"
