@@ -121,7 +121,8 @@ class ThreadedBatches:
             size = -(-(len(keys) - done) // self.threads)
             begin, end = done + part * size, min(len(keys), done + (part + 1) * size)
             if begin < end:
-                got = self.dataset.read_batch_into(keys[begin:end], images[begin:end])  # type: ignore[attr-defined]
+                dataset: Any = self.dataset  # a BatchFillableDataset: ``chunked`` checked it has the method
+                got = dataset.read_batch_into(keys[begin:end], images[begin:end])
                 labels[begin:end] = [_SKIPPED if label is None else label for label in got]
             return
         for j in range(part, len(keys), self.threads):
