@@ -21,6 +21,7 @@ through the cheapest fused resizer available.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -36,11 +37,6 @@ from kaisoku.data.loading.transforms import (
     _resize_box,
     decode_image,
 )
-
-try:  # optional: the fastest small-image resizer where its wheel is installed
-    import cv2
-except ImportError:  # pragma: no cover - depends on the environment
-    cv2 = None
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -137,14 +133,26 @@ def keyed_crops(
     return boxes, flips
 
 
+@functools.cache
+def _opencv() -> Any:
+    """OpenCV's module where ``opencv-python-headless`` is installed, else None (imported on first use: it
+    is optional, and its import costs start-up time to commands that never decode a batch)."""
+    try:
+        import cv2
+    except ImportError:
+        return None
+    return cv2
+
+
 def resizer() -> str:
     """The resizer the batch path uses here: ``opencv`` (installed) or ``torch`` (the per-sample kernel)."""
-    return "opencv" if cv2 is not None else "torch"
+    return "opencv" if _opencv() is not None else "torch"
 
 
 def _resize(image: np.ndarray, box: tuple[int, int, int, int], size: int) -> np.ndarray:
     """Whole-pixel ``box`` of HWC uint8 ``image`` resized to ``size`` x ``size``, HWC uint8."""
     left, top, right, bottom = box
+    cv2 = _opencv()
     if cv2 is None or right - left > size or bottom - top > size:
         # Shrinking (either side) keeps the per-sample kernel: antialiased, bit-identical to that path.
         return _resize_box(image, box, size)
