@@ -9,8 +9,7 @@ libjpeg-turbo into one reused scratch buffer; a crop enlarged to the output (eve
 images are no larger than the output) is resized by OpenCV's fixed-point bilinear resizer when
 ``opencv-python-headless`` is installed (2-3x cheaper than torch's kernel on small crops), any other crop
 by the per-sample path's own torch kernel; flip and HWC -> CHW end in one strided copy into the batch
-buffer. Every C call releases the GIL, so a batch split between threads
-decodes in parallel.
+buffer. Every C call releases the GIL, so a batch split between threads decodes in parallel.
 
 Measured against other batch designs on 64 px JPEGs (single thread, CPU time): one batched
 ``torchvision.ops.roi_align`` over a float canvas, ``grid_sample`` and a separable gather in float32 all
