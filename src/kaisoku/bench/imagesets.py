@@ -115,16 +115,23 @@ def flip_transform(size: int) -> ImageLabelTransform:
 
 
 def production_loader(
-    pack_dir: Path, transform: ImageLabelTransform, *, workers: int = WORKERS, crop_decode: bool = False
+    pack_dir: Path,
+    transform: ImageLabelTransform,
+    *,
+    workers: int = WORKERS,
+    crop_decode: bool = False,
+    batch_path: str = "batch",
 ) -> ShardLoader:
     """The :class:`ShardLoader` ``kaisoku train`` builds for a run on ``pack_dir`` (one rank, global shuffle,
-    batch :data:`BATCH`, ``workers`` decoding threads), from a config through the training builder
-    (:func:`kaisoku.engine.data_build.shard_loader`), over a dataset with ``transform``."""
+    batch :data:`BATCH`, ``workers`` decoding threads, ``batch_path`` as ``data.loader``), from a config
+    through the training builder (:func:`kaisoku.engine.data_build.shard_loader`), over a dataset with
+    ``transform``."""
     cfg = Config()
     cfg.data.path = str(pack_dir)
     cfg.data.global_batch = BATCH
     cfg.data.workers = workers
     cfg.data.crop_decode = crop_decode
+    cfg.data.loader = batch_path  # type: ignore[assignment]  # checked by the config against its choices
     cfg.train.seed = SEED
     cfg.train.epochs = 10**6
     dataset = ShardedDataset(pack_dir, transform=transform, decode_images=not crop_decode)

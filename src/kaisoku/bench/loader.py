@@ -1,8 +1,10 @@
 """``kaisoku bench loader``: warm local data against peer loaders and the decode limit; the index's scale.
 
-Rows: the ``ShardLoader`` ``kaisoku train`` builds (and its crop-aware decoding on the ImageNet-like set),
-the peers of :mod:`kaisoku.bench.loader_peers`, and the single-thread decode limit times the cores, over the
-sets of :mod:`kaisoku.bench.imagesets`, interleaved, the first epoch reported apart. The index part is
+Rows: the ``ShardLoader`` ``kaisoku train`` builds (its batch path, the default), the same loader sample by
+sample (``data.loader threads``, with the pixel difference between the two), its crop-aware decoding on the
+ImageNet-like set, the peers of :mod:`kaisoku.bench.loader_peers`, and the single-thread decode limit times
+the cores, over the sets of :mod:`kaisoku.bench.imagesets` (decode + flip, and random-resized-crop + flip),
+interleaved, the first epoch reported apart. The index part is
 :mod:`kaisoku.bench.loader_index`. Setup, goals and limits: ``benchmarks/README.md``, section loader.
 """
 
@@ -38,8 +40,9 @@ from kaisoku.bench.imagesets import (
     production_loader,
 )
 from kaisoku.bench.loader_index import index_part
+from kaisoku.data.loading.batch_augment import decode_batch_into, resizer
 from kaisoku.data.loading.dataset import ImageLabelTransform
-from kaisoku.data.loading.transforms import AugmentSpec, augment, crop_decode_into, decode_image
+from kaisoku.data.loading.transforms import AugmentSpec, augment, augment_into, crop_decode_into, decode_image
 
 NAME = "loader"
 
@@ -66,16 +69,34 @@ class _RowRecord:
     cpu_us: list[float] = field(default_factory=list)
 
 
+def _live_children_cpu() -> float:
+    """CPU seconds (user + system) of this process's running children (persistent DataLoader workers, which
+    ``RUSAGE_CHILDREN`` counts only once they are waited for), from ``/proc/PID/stat``."""
+    me, total = os.getpid(), 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as handle:
+                stat = handle.read()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()  # the name (field 2) may hold spaces: count after it
+        if int(fields[1]) == me:  # ppid; utime and stime are fields 14 and 15 of stat(5)
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds() -> float:
-    """CPU time of this process and of its finished (waited-for) children, user + system."""
+    """CPU time of this process and of its children, running or finished, user + system."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + _live_children_cpu()
 
 
 def _time_epoch(batches: Any, record: _RowRecord, size: int) -> float:
-    """Iterate one epoch; return samples/s; record CPU per sample (DataLoader workers are joined at the
-    end of an epoch, so their CPU time is counted); check what it yields."""
+    """Iterate one epoch; return samples/s; record CPU per sample (persistent DataLoader workers' included);
+    check what it yields."""
     cpu_start = cpu_seconds()
     start = time.perf_counter()
     count = 0
@@ -103,6 +124,15 @@ class RowSet:
     rounds: int
     ffcv: bool = True
     """Run FFCV's row (``--quick`` does not: its first epoch compiles for half a minute)."""
+    crop_decode_row: bool = False
+    """Add kaisoku's crop-decoding row (DCT-scaled decoding pays only where images exceed the output)."""
+
+    @property
+    def name(self) -> str:
+        """The set's name in rows and summary keys: the image set's, ``-rrc`` added for a random-resized-crop
+        row set over small images (the ImageNet-like set always crops)."""
+        small_crop = self.crop and self.images.name != "imagenet-like"
+        return self.images.name + ("-rrc" if small_crop else "")
 
     @property
     def transform(self) -> ImageLabelTransform:
@@ -123,7 +153,7 @@ def part_a(row_sets: Sequence[RowSet], peer_dir: Path, *, warm_up: bool = True) 
     summary: dict[str, dict[str, Any]] = {}
     notes: list[str] = []
     for row_set in row_sets:
-        name = row_set.images.name
+        name = row_set.name
         set_rows, steady, rounds = _part_a_set(row_set, peer_dir, warm_up)
         rows += set_rows
 
@@ -147,7 +177,17 @@ def part_a(row_sets: Sequence[RowSet], peer_dir: Path, *, warm_up: bool = True) 
                 (r.get("first_epoch_samples_per_s") for r in set_rows if r["row"] == "ffcv"), None
             ),
         )
-        if row_set.crop:
+        per_sample = next(r for r in set_rows if r["row"] == "kaisoku-per-sample")
+        summary[f"kaisoku_batch_vs_per_sample_{name}"] = goal(
+            kaisoku / steady["kaisoku-per-sample"],
+            ">= 1.0",
+            samples=over("kaisoku", "kaisoku-per-sample"),
+            unit="rounds",
+            pixel_max_abs_diff=per_sample.get("pixel_max_abs_diff_vs_batch"),
+            pixel_mean_abs_diff=per_sample.get("pixel_mean_abs_diff_vs_batch"),
+            resizer=resizer(),
+        )
+        if row_set.crop_decode_row:
             summary[f"kaisoku_exact_vs_full_decode_limit_{name}"] = goal(
                 kaisoku / steady["limit"], ">= 0.95", samples=over("kaisoku", "limit"), unit="rounds"
             )
@@ -211,6 +251,24 @@ def _crop_pixel_diff(image_set: ImageSet, transform: ImageLabelTransform, count:
     return float(np.mean(diffs))
 
 
+def batch_pixel_diff(
+    image_set: ImageSet, transform: ImageLabelTransform, count: int = 256
+) -> tuple[int, float]:
+    """Largest and mean absolute pixel difference of the batch path (one batch of ``count`` samples) against
+    the per-sample path, same keys (so the same crop boxes and flips)."""
+    blobs = [loader_peers.read_bytes(path) for path, _ in image_set.shuffled_files()[:count]]
+    spec = transform.spec
+    batch = np.empty((len(blobs), 3, spec.size, spec.size), dtype=np.uint8)
+    decode_batch_into(blobs, spec, seed=transform.seed, epoch=1, indices=np.arange(len(blobs)), out=batch)
+    reference = np.empty_like(batch)
+    for index, data in enumerate(blobs):
+        augment_into(
+            decode_image(data), spec, seed=transform.seed, epoch=1, index=index, out=reference[index]
+        )
+    diff = np.abs(batch.astype(np.int16) - reference.astype(np.int16))
+    return int(diff.max()), float(diff.mean())
+
+
 def _peer_builders(row_set: RowSet, peer_dir: Path) -> dict[str, Callable[[], loader_peers.PeerLoader]]:
     images, crop = row_set.images, row_set.images.size if row_set.crop else 0
     files = images.shuffled_files()
@@ -253,14 +311,20 @@ def _part_a_set(
     rows: list[dict[str, Any]] = []
     epochs = iter(range(1, 10**6))
     transform = row_set.transform
-    kaisoku_rows = {"kaisoku": production_loader(image_set.pack_dir, transform)}
-    if row_set.crop:
+    kaisoku_rows = {
+        "kaisoku": production_loader(image_set.pack_dir, transform),  # data.loader batch, the default
+        "kaisoku-per-sample": production_loader(image_set.pack_dir, transform, batch_path="threads"),
+    }
+    if row_set.crop_decode_row:
         crop_transform = dataclasses.replace(transform, crop_decode=True)
         kaisoku_rows["kaisoku-crop-decode"] = production_loader(
             image_set.pack_dir, crop_transform, crop_decode=True
         )
     for name, loader in kaisoku_rows.items():
-        records[name] = _RowRecord(name, "simplejpeg" + (" (DCT-scaled)" if "crop" in name else ""), [])
+        decoder = "simplejpeg" + (" (DCT-scaled)" if "crop" in name else "")
+        if name != "kaisoku-per-sample":
+            decoder += f" + {resizer()} resizer (batch path)"
+        records[name] = _RowRecord(name, decoder, [])
         runs[name] = lambda n=name, ld=loader: _time_epoch(epoch_of(ld, next(epochs)), records[n], size)
     peers: list[loader_peers.PeerLoader] = []
     for name, build in _peer_builders(row_set, peer_dir).items():
@@ -269,7 +333,7 @@ def _part_a_set(
             peer = build()
             log(f"{name} ready for {image_set.name} in {time.perf_counter() - start:.1f} s")
         except loader_peers.PeerMissing as missing:
-            rows.append({"part": "a", "size": image_set.name, "row": name, "skipped": str(missing)})
+            rows.append({"part": "a", "size": row_set.name, "row": name, "skipped": str(missing)})
             continue
         peers.append(peer)
         records[name] = _RowRecord(name, peer.decoder, [])
@@ -285,7 +349,7 @@ def _part_a_set(
             crop=size if row_set.crop else 0,
         )
     except loader_peers.PeerMissing as missing:
-        rows.append({"part": "a", "size": image_set.name, "row": "ffcv", "skipped": str(missing)})
+        rows.append({"part": "a", "size": row_set.name, "row": "ffcv", "skipped": str(missing)})
     else:
         records["ffcv"] = _RowRecord("ffcv", "libjpeg-turbo (FFCV, re-encoded q90)", [])
 
@@ -317,7 +381,7 @@ def _part_a_set(
     for record in records.values():
         record.samples.clear()
         record.cpu_us.clear()
-    log(f"part (a) {image_set.name}: {len(runs)} rows x {row_set.rounds} interleaved epochs")
+    log(f"part (a) {row_set.name}: {len(runs)} rows x {row_set.rounds} interleaved epochs")
     results = interleaved(runs, row_set.rounds)
     for peer in peers:
         peer.close()
@@ -330,7 +394,7 @@ def _part_a_set(
         cpu_us = statistics.median(records[name].cpu_us)
         row: dict[str, Any] = {
             "part": "a",
-            "size": image_set.name,
+            "size": row_set.name,
             "row": name,
             "decoder": records[name].decoder,
             "yields": records[name].shape,
@@ -345,6 +409,9 @@ def _part_a_set(
         }
         if name == "kaisoku-crop-decode":
             row["pixel_mean_abs_diff"] = round(_crop_pixel_diff(image_set, transform), 3)
+        if name == "kaisoku-per-sample":
+            largest, mean = batch_pixel_diff(image_set, transform)
+            row["pixel_max_abs_diff_vs_batch"], row["pixel_mean_abs_diff_vs_batch"] = largest, round(mean, 4)
         rows.append(row)
     return rows, steady, {name: values[1:] for name, values in results.items()}
 
@@ -393,14 +460,17 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     if quick:
         row_sets = [
             RowSet(image_set(1024, 64, "1MiB"), crop=False, rounds=2, ffcv=False),
+            RowSet(image_set(1024, 64, "1MiB"), crop=True, rounds=2, ffcv=False),
             RowSet(image_set(1024, 96, "2MiB"), crop=False, rounds=2, ffcv=False),
-            RowSet(photo_set(400), crop=True, rounds=2, ffcv=False),
+            RowSet(photo_set(400), crop=True, rounds=2, ffcv=False, crop_decode_row=True),
         ]
     else:
         row_sets = [
             RowSet(image_set(20000, 64, "8MiB"), crop=False, rounds=5),
+            RowSet(image_set(20000, 64, "8MiB"), crop=True, rounds=5),
             RowSet(image_set(20000, 160, "16MiB"), crop=False, rounds=4),
-            RowSet(photo_set(5000), crop=True, rounds=4),
+            RowSet(image_set(20000, 160, "16MiB"), crop=True, rounds=4),
+            RowSet(photo_set(5000), crop=True, rounds=4, crop_decode_row=True),
         ]
     rows, summary, notes = part_a(row_sets, root / "peers", warm_up=not quick)
     index_rows, index_summary = index_part(root, 1_000_000 if quick else 10_000_000, 1 if quick else 3)

@@ -47,12 +47,32 @@ class PeerMissing(Exception):
 
 @dataclass
 class PeerLoader:
-    """A peer's epoch: ``make()`` returns a fresh iterable of ``(images, labels)`` batches."""
+    """A peer's epoch: ``make()`` returns the iterable of the next epoch's ``(images, labels)`` batches (the
+    peer's one DataLoader, built once with persistent workers: no worker start-up inside an epoch)."""
 
     name: str
     decoder: str
     make: Callable[[], Iterable[Any]]
     close: Callable[[], None] = lambda: None
+
+
+def persistent(build: Callable[[], DataLoader]) -> Callable[[], DataLoader]:
+    """``make`` for a peer: the DataLoader ``build`` returns, built on the first call and returned again on
+    every later one, so that its workers (``persistent_workers=True``) live across epochs, as each peer's
+    documentation recommends for multi-epoch training."""
+    built: list[DataLoader] = []
+
+    def make() -> DataLoader:
+        if not built:
+            built.append(build())
+        return built[0]
+
+    return make
+
+
+def _workers(workers: int) -> dict[str, Any]:
+    """DataLoader arguments for ``workers`` worker processes that persist across epochs."""
+    return {"num_workers": workers, "persistent_workers": workers > 0}
 
 
 def _require(module: str, package: str) -> None:
@@ -125,10 +145,12 @@ def imagefolder(root: Path, *, decoder: str, batch: int, workers: int, crop: int
     else:
         dataset = datasets.ImageFolder(str(root), loader=read_bytes, transform=DecodeCropFlip(crop))
 
-    def make() -> Iterable[Any]:
-        return DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers, drop_last=True)
+    def build() -> DataLoader:
+        return DataLoader(dataset, batch_size=batch, shuffle=True, drop_last=True, **_workers(workers))
 
-    return PeerLoader(f"imagefolder-{decoder}", "PIL" if decoder == "pil" else "simplejpeg", make)
+    return PeerLoader(
+        f"imagefolder-{decoder}", "PIL" if decoder == "pil" else "simplejpeg", persistent(build)
+    )
 
 
 # ------------------------------------------------------------------------------------------------ WebDataset
@@ -162,16 +184,16 @@ def webdataset_reader(directory: Path, *, batch: int, workers: int) -> PeerLoade
 
     urls = [str(p) for p in sorted(directory.glob("shard-*.tar"))]
 
-    def make() -> Iterable[Any]:
+    def build() -> DataLoader:
         dataset = (
             wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False)
             .shuffle(1000)
             .map(_wds_sample)
             .batched(batch, partial=False)
         )
-        return DataLoader(dataset, batch_size=None, num_workers=workers)
+        return DataLoader(dataset, batch_size=None, **_workers(workers))
 
-    return PeerLoader("webdataset", "simplejpeg", make)
+    return PeerLoader("webdataset", "simplejpeg", persistent(build))
 
 
 # ------------------------------------------------------------------------------------- MosaicML Streaming
@@ -210,10 +232,10 @@ def mds_reader(data: Path, cache: Path | None, *, batch: int, workers: int) -> P
     where = {"local": str(data)} if cache is None else {"remote": str(data), "local": str(cache)}
     dataset = _Flip(**where, shuffle=True, batch_size=batch, shuffle_seed=1)
 
-    def make() -> Iterable[Any]:
-        return DataLoader(dataset, batch_size=batch, num_workers=workers, drop_last=True)
+    def build() -> DataLoader:
+        return DataLoader(dataset, batch_size=batch, drop_last=True, **_workers(workers))
 
-    return PeerLoader("mds", "simplejpeg", make, close=clean_stale_shared_memory)
+    return PeerLoader("mds", "simplejpeg", persistent(build), close=clean_stale_shared_memory)
 
 
 # ---------------------------------------------------------------------------------------------------- LitData
@@ -260,10 +282,10 @@ def litdata_reader(source: str, cache: Path, *, batch: int, workers: int, crop: 
         source, cache_dir=str(cache), shuffle=True, drop_last=True, transform=_LitFlip(crop)
     )
 
-    def make() -> Iterable[Any]:
-        return StreamingDataLoader(dataset, batch_size=batch, num_workers=workers, drop_last=True)
+    def build() -> DataLoader:
+        return StreamingDataLoader(dataset, batch_size=batch, drop_last=True, **_workers(workers))
 
-    return PeerLoader("litdata", "simplejpeg", make)
+    return PeerLoader("litdata", "simplejpeg", persistent(build))
 
 
 # ------------------------------------------------------------------------------------------------------ FFCV

@@ -84,7 +84,7 @@ def _loader(
     return loader
 
 
-@pytest.mark.parametrize("path", ["threads", "processes"])
+@pytest.mark.parametrize("path", ["batch", "threads", "processes"])
 def test_epoch_stats_count_tiers_and_source_reads(packed: Path, ram_dir: Path, path: str) -> None:
     loader = _loader(packed, ram_dir, workers=2, path=path)
     index = loader.dataset.index

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch.utils.data
 
+from kaisoku.data.loading.batch_augment import decode_batch_into
 from kaisoku.data.loading.counters import LoaderCounters
 from kaisoku.data.loading.transforms import AugmentSpec, augment, augment_into, crop_decode_into, decode_image
 from kaisoku.data.shards.format import Index, read_index
@@ -117,6 +118,24 @@ class ImageLabelTransform:
             image = decode_image(image, name=f"sample {index}", min_side=self.decode_min_side)
         augment_into(image, self.spec, seed=self.seed, epoch=epoch, index=index, out=out)
         return int(sample[self.label_field])
+
+    def batch_into(
+        self, samples: Sequence[dict[str, Any]], *, indices: Sequence[int], epoch: int, out: np.ndarray
+    ) -> list[int]:
+        """Write the augmented images of ``samples`` (encoded images, sample ``indices``) into ``out``
+        (N x 3 x S x S) in one call (:func:`~kaisoku.data.loading.batch_augment.decode_batch_into`); return
+        their labels. Training specs only: the boxes and flips are those :meth:`into` draws."""
+        decode_batch_into(
+            [sample[self.image_field] for sample in samples],
+            self.spec,
+            seed=self.seed,
+            epoch=epoch,
+            indices=indices,
+            out=out,
+            crop_decode=self.crop_decode,
+            names=[f"sample {index}" for index in indices],
+        )
+        return [int(sample[self.label_field]) for sample in samples]
 
 
 class ShardSource:
@@ -323,6 +342,59 @@ class ShardedDataset(torch.utils.data.Dataset):
         except CorruptRecordError as error:
             return self._skip(error)
 
+    def read_batch_into(
+        self,
+        keys: Sequence[tuple[int, int]],
+        out: np.ndarray,
+        datas: Sequence[bytes | memoryview | None] | None = None,
+    ) -> list[int | None]:
+        """:meth:`read_into` for several keys of one epoch at once, through the transform's ``batch_into``
+        (one call decodes and augments them all); ``out[k]`` receives ``keys[k]``.
+
+        Returns the labels, None for a sample skipped as damaged. ``datas[k]``: record bytes obtained
+        elsewhere, as ``data`` of :meth:`read_into`. A transform without ``batch_into`` (or an evaluation
+        spec, or several epochs in ``keys``) reads sample by sample; so does a chunk in which an image does
+        not decode, so that the damaged one is named (or skipped) exactly as :meth:`read_into` would.
+        """
+        batch_into = getattr(self.transform, "batch_into", None)
+        spec = getattr(self.transform, "spec", None)
+        epochs = {int(key[0]) for key in keys}
+        if batch_into is None or spec is None or not spec.train or len(epochs) != 1:
+            return [self.read_into(key, out[k], datas[k] if datas else None) for k, key in enumerate(keys)]
+        epoch = epochs.pop()
+        labels: list[int | None] = [None] * len(keys)
+        rows, indices, samples = [], [], []
+        for k, key in enumerate(keys):
+            shard_id, record = self.shard_of(key[1])
+            index = self._starts_list[shard_id] + record
+            data = datas[k] if datas else None
+            try:
+                if data is None:
+                    data = self._record_view(shard_id, record)
+                    if self.source.counters is not None:
+                        self._count_read(shard_id, len(data))
+                elif self.verify:
+                    check_record(self.index, data, shard_id, record)
+                samples.append(self._parse(data, shard_id, record))
+            except CorruptRecordError as error:
+                self._skip(error)
+                continue
+            rows.append(k)
+            indices.append(index)
+        if not rows:
+            return labels
+        chunk = out[rows[0] : rows[-1] + 1] if rows == list(range(rows[0], rows[-1] + 1)) else None
+        target = chunk if chunk is not None else np.empty((len(rows), *out.shape[1:]), dtype=out.dtype)
+        try:
+            got = batch_into(samples, indices=indices, epoch=epoch, out=target)
+        except KaisokuError:  # an image that does not decode: per sample, to name or skip it
+            return [self.read_into(key, out[k], datas[k] if datas else None) for k, key in enumerate(keys)]
+        if chunk is None:
+            out[rows] = target
+        for k, label in zip(rows, got, strict=True):
+            labels[k] = label
+        return labels
+
     def __getitems__(self, keys: Sequence[int | tuple[int, int]]) -> list[Any]:
         """Several samples at once (the DataLoader's batched fetch)."""
         return [self[key] for key in keys]
@@ -424,6 +496,17 @@ class ShardedDataset(torch.utils.data.Dataset):
     def _record_view(self, shard_id: int, record: int) -> memoryview:
         return record_view(self.index, self._buffer(shard_id), shard_id, record, verify=self.verify)
 
+    def _parse(self, data: bytes | memoryview, shard_id: int, record: int) -> dict[str, Any]:
+        """The record's fields, images still encoded."""
+        try:
+            return self._codec.decode(data)
+        except Exception as error:  # a malformed record that passed (or skipped) its checksum
+            raise CorruptRecordError(
+                f"{self._describe(shard_id, record)} cannot be parsed ({error}); re-pack the dataset",
+                file=self.index.shards[shard_id].file,
+                record=record,
+            ) from None
+
     def _finish(
         self,
         data: bytes | memoryview,
@@ -433,14 +516,7 @@ class ShardedDataset(torch.utils.data.Dataset):
         epoch: int,
         out: np.ndarray | None = None,
     ) -> Any:
-        try:
-            sample = self._codec.decode(data)
-        except Exception as error:  # a malformed record that passed (or skipped) its checksum
-            raise CorruptRecordError(
-                f"{self._describe(shard_id, record)} cannot be parsed ({error}); re-pack the dataset",
-                file=self.index.shards[shard_id].file,
-                record=record,
-            ) from None
+        sample = self._parse(data, shard_id, record)
         if self.decode_images:
             for name in self._image_fields:
                 try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,17 +76,26 @@ class _ExchangedSamples(Dataset):
         data = self.received[index] if index in self.received else None
         return self.dataset.read_into(key, out, data)
 
+    def read_batch_into(self, keys: Sequence[tuple[int, int]], out: np.ndarray) -> list[int | None]:
+        """Samples ``keys`` written into ``out`` (see :meth:`ShardedDataset.read_batch_into`)."""
+        return self.dataset.read_batch_into(keys, out, [self.received.get(key[1]) for key in keys])
 
-BATCH_PATHS = ("threads", "processes")
-"""How batches are made: threads decoding into reused buffers, or DataLoader worker processes."""
+
+BATCH_PATHS = ("batch", "threads", "processes")
+"""How batches are made: threads decoding chunks of a batch in one call each into reused buffers, threads
+decoding sample by sample into them, or DataLoader worker processes."""
 
 
 class ShardLoader:
     """A rank's training batches over a packed dataset, epoch after epoch, resumable exactly.
 
-    ``batch_path`` ``threads`` (the default, the fastest): ``max(1, workers)`` threads of this process
-    decode into reused batch buffers (:class:`~kaisoku.data.loading.batches.ThreadedBatches`); ``processes``: a
-    DataLoader with ``workers`` worker processes. Both give bit-identical batches.
+    ``batch_path`` ``batch`` (the default, the fastest): ``max(1, workers)`` threads of this process each
+    decode a chunk of the batch in one call (:mod:`~kaisoku.data.loading.batch_augment`: crops drawn for the
+    chunk at once, the fastest installed resizer) into reused batch buffers; ``threads``: the same threads,
+    sample by sample (:class:`~kaisoku.data.loading.batches.ThreadedBatches`); ``processes``: a DataLoader
+    with ``workers`` worker processes. ``threads`` and ``processes`` give bit-identical batches; ``batch``
+    the same crops and flips, pixels within
+    :data:`~kaisoku.data.loading.batch_augment.BATCH_PIXEL_TOLERANCE` (identical without OpenCV).
     """
 
     def __init__(
@@ -104,7 +113,7 @@ class ShardLoader:
         cache: CacheSettings | None = None,
         num_epochs: int | None = None,
         pin_memory: bool = False,
-        batch_path: str = "threads",
+        batch_path: str = "batch",
     ) -> None:
         if batch_path not in BATCH_PATHS:
             raise KaisokuError(f"data.loader must be one of {', '.join(BATCH_PATHS)} (got {batch_path!r})")
@@ -205,7 +214,7 @@ class ShardLoader:
         if self._received is not None:
             samples = _ExchangedSamples(self.dataset, self._received, epoch)
         loader: Any
-        if self.batch_path == "threads":
+        if self.batch_path in ("batch", "threads"):
             micro = self.sampler.micro_batches
             loader = ThreadedBatches(
                 samples,
@@ -214,6 +223,7 @@ class ShardLoader:
                 prefetch=2,
                 ring=2 * micro + 4,  # the trainer holds a step's micro-batches; plus the prefetched ones
                 pin_memory=self.pin_memory,
+                chunked=self.batch_path == "batch",
             )
         else:
             loader = DataLoader(

@@ -1,0 +1,185 @@
+"""The batch decode path: the per-sample path's crops and flips, its pixels within the stated tolerance,
+the same batches for any thread count, crop decoding on the crop's region."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import simplejpeg
+import torch
+
+from kaisoku.data.loading.batch_augment import (
+    BATCH_PIXEL_TOLERANCE,
+    decode_batch_into,
+    keyed_crops,
+    resizer,
+)
+from kaisoku.data.loading.dataset import ImageLabelTransform, ShardedDataset
+from kaisoku.data.loading.loader import ShardLoader
+from kaisoku.data.loading.transforms import (
+    AugmentSpec,
+    augment_into,
+    augment_rng,
+    crop_decode_into,
+    decode_image,
+    random_crop_box,
+)
+from kaisoku.data.order.shuffle import ShuffleSpec
+from kaisoku.data.shards.format import read_index
+from tests.data.loading.test_batches import _received_half
+
+SPECS = [
+    AugmentSpec(size=24),
+    AugmentSpec(size=16, scale=(0.9, 1.0), ratio=(0.2, 5.0)),  # many misses: the centre-crop fallback
+    AugmentSpec(size=16, scale=(0.6, 1.0), ratio=(3.0, 4.0)),  # wide crops on tall images: ratio clamped
+    AugmentSpec(size=8, scale=(1.0, 1.0), ratio=(1.0, 1.0)),  # the whole-square shortcut
+    AugmentSpec(size=8, flip=False),
+]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_keyed_crops_are_the_per_sample_draws(spec: AugmentSpec) -> None:
+    rng = np.random.default_rng(1)
+    heights, widths = rng.integers(1, 300, 3000), rng.integers(1, 300, 3000)
+    heights[:500] = widths[:500] = 64  # squares, as a small-image set
+    indices = rng.integers(0, 2**40, 3000)
+    boxes, flips = keyed_crops(heights, widths, spec, seed=7, epoch=3, indices=indices)
+    for k in range(len(indices)):
+        stream = augment_rng(7, 3, int(indices[k]))
+        box = random_crop_box(int(heights[k]), int(widths[k]), spec, stream)
+        flip = spec.flip and bool(stream.integers(0, 2))
+        assert tuple(boxes[k].tolist()) == box and bool(flips[k]) == flip, k
+
+
+def _jpegs(count: int, size: int) -> list[bytes]:
+    """Smooth, textured JPEGs of mixed sizes around ``size`` (as a small-image set)."""
+    rng = np.random.default_rng(5)
+    blobs = []
+    for k in range(count):
+        height, width = (
+            size + int(rng.integers(-8, 9)) * (k % 2),
+            size + int(rng.integers(-8, 9)) * (k % 3 > 0),
+        )
+        y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+        image = np.stack(
+            [128 + 90 * np.sin(x / (5 + c + k % 7) + c) * np.cos(y / (7 + c)) for c in range(3)], -1
+        )
+        image += rng.normal(0, 8, image.shape)
+        blobs.append(simplejpeg.encode_jpeg(np.clip(image, 0, 255).astype(np.uint8), quality=90))
+    return blobs
+
+
+@pytest.mark.parametrize("size", [24, 64])
+def test_batch_path_matches_the_per_sample_path_within_the_stated_tolerance(size: int) -> None:
+    blobs = _jpegs(40, size)
+    spec = AugmentSpec(size=size)
+    indices = np.arange(100, 140)
+    got = np.full((40, 3, size, size), 7, dtype=np.uint8)
+    decode_batch_into(blobs, spec, seed=3, epoch=2, indices=indices, out=got)
+    expected = np.empty_like(got)
+    for k, data in enumerate(blobs):  # the reference: decode, then the per-sample crop, resize and flip
+        augment_into(decode_image(data), spec, seed=3, epoch=2, index=int(indices[k]), out=expected[k])
+    diff = np.abs(got.astype(np.int16) - expected.astype(np.int16))
+    largest, mean = BATCH_PIXEL_TOLERANCE
+    assert diff.max() <= largest and diff.mean() <= mean
+    if resizer() == "torch":  # the per-sample path's own kernel: bit-identical
+        assert diff.max() == 0
+    # The tolerance is tight enough to catch a wrong crop or a missed flip.
+    flipped = np.flip(expected, axis=3)
+    assert np.abs(got.astype(np.int16) - flipped.astype(np.int16)).mean() > 10 * mean
+
+
+def _loader(packed: Path, *, path: str, workers: int) -> ShardLoader:
+    dataset = ShardedDataset(
+        packed, transform=ImageLabelTransform(spec=AugmentSpec(size=12, scale=(0.3, 1.0)), seed=5)
+    )
+    return ShardLoader(
+        dataset,
+        global_batch=8,
+        rank=0,
+        world_size=1,
+        ranks_per_node=1,
+        seed=2,
+        shuffle=ShuffleSpec(),
+        workers=workers,
+        batch_path=path,
+    )
+
+
+def _epoch(loader: ShardLoader, epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    loader.set_epoch(epoch)
+    return [(images.clone(), labels.clone()) for images, labels in loader]
+
+
+def test_batch_path_gives_the_same_batches_for_any_worker_count(packed: Path) -> None:
+    runs = {workers: _epoch(_loader(packed, path="batch", workers=workers), 1) for workers in (0, 1, 2)}
+    reference = _epoch(_loader(packed, path="threads", workers=1), 1)  # the per-sample path
+    assert len(reference) > 1
+    largest, mean = BATCH_PIXEL_TOLERANCE
+    for workers in (1, 2):
+        for (a, la), (b, lb) in zip(runs[0], runs[workers], strict=True):
+            assert torch.equal(a, b) and torch.equal(la, lb)
+    for (a, la), (b, lb) in zip(runs[0], reference, strict=True):  # a PNG and a grey JPEG among them
+        diff = (a.to(torch.int16) - b.to(torch.int16)).abs()
+        assert torch.equal(la, lb) and int(diff.max()) <= largest and float(diff.float().mean()) <= mean
+
+
+def test_damaged_record_is_skipped_or_named_on_the_batch_path(packed: Path) -> None:
+    index = read_index(packed)
+    with open(index.shard_path(0), "r+b") as handle:  # damage record 1 of shard 0 (sample 1)
+        handle.seek(int(index.shards[0].offsets[1]) + 3)
+        byte = handle.read(1)
+        handle.seek(int(index.shards[0].offsets[1]) + 3)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    transform = ImageLabelTransform(spec=AugmentSpec(size=8), seed=0)
+    out = np.zeros((4, 3, 8, 8), dtype=np.uint8)
+    skipping = ShardedDataset(packed, transform=transform, skip_corrupt=True)
+    labels = skipping.read_batch_into([(0, i) for i in range(4)], out)
+    assert labels[1] is None and None not in (labels[0], labels[2], labels[3]) and skipping.skipped == 1
+    strict = ShardedDataset(packed, transform=transform, check_files=False)
+    with pytest.raises(Exception, match="record 1"):
+        strict.read_batch_into([(0, i) for i in range(4)], out)
+
+
+def _coordinates_jpeg(side: int) -> bytes:
+    """A JPEG whose red channel is x / 2 and green channel y / 2: a crop's pixels say where it came from."""
+    y, x = np.mgrid[0:side, 0:side].astype(np.float32)
+    image = np.stack([x / 2, y / 2, np.full_like(x, 128)], axis=-1)
+    return simplejpeg.encode_jpeg(np.clip(image, 0, 255).astype(np.uint8), quality=95)
+
+
+def test_crop_decoding_reads_the_crop_box_region() -> None:
+    data = _coordinates_jpeg(480)
+    spec = AugmentSpec(size=32, scale=(0.3, 1.0))  # crops of 260+ px to 32: decoded at 1/4 or 1/8
+    indices = np.arange(24)
+    boxes, flips = keyed_crops(np.full(24, 480), np.full(24, 480), spec, seed=1, epoch=0, indices=indices)
+    got = np.empty((24, 3, 32, 32), dtype=np.uint8)
+    decode_batch_into([data] * 24, spec, seed=1, epoch=0, indices=indices, out=got, crop_decode=True)
+    for k, (left, top, right, bottom) in enumerate(boxes.tolist()):
+        red, green = got[k, 0].astype(float), got[k, 1].astype(float)
+        if flips[k]:
+            red = red[:, ::-1]
+        # The output's first and last columns and rows sample the box's edges (red = x/2, green = y/2),
+        # within a scaled pixel (8 px at 1/8, i.e. 4 levels) and the JPEG's error.
+        assert abs(red[:, 0].mean() - left / 2) <= 6 and abs(red[:, -1].mean() - (right - 1) / 2) <= 6
+        assert abs(green[0].mean() - top / 2) <= 6 and abs(green[-1].mean() - (bottom - 1) / 2) <= 6
+        need = int(np.ceil(480 * 32 / min(right - left, bottom - top)))
+        assert simplejpeg.decode_jpeg(data, min_height=need, min_width=need).shape[0] < 480  # DCT-scaled
+        exact = np.empty((3, 32, 32), dtype=np.uint8)  # the per-sample crop decode, the same region
+        crop_decode_into(data, spec, seed=1, epoch=0, index=k, out=exact)
+        assert np.abs(got[k].astype(int) - exact.astype(int)).max() <= BATCH_PIXEL_TOLERANCE[0]
+
+
+def test_received_records_go_through_the_batch_path(packed: Path, ram_dir: Path) -> None:
+    reference = _epoch(_loader(packed, path="batch", workers=1), 0)
+    loader = _loader(packed, path="batch", workers=2)
+    loader.cache_settings = type(loader.cache_settings)(ram_dir=str(ram_dir))
+    loader.exchange = _received_half
+    got = _epoch(loader, 0)
+    stats = loader.epoch_stats()
+    loader.close()
+    for (a, la), (b, lb) in zip(reference, got, strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    assert stats is not None and stats["exchanged_bytes"] > 0
