@@ -169,13 +169,23 @@ def part_a(row_sets: Sequence[RowSet], peer_dir: Path, *, warm_up: bool = True) 
         ffcv_missing = next((r["skipped"] for r in set_rows if r["row"] == "ffcv" and "skipped" in r), "")
         summary[f"kaisoku_vs_ffcv_{name}"] = goal(
             kaisoku / steady["ffcv"] if "ffcv" in steady else None,
-            ">= 1.0",
+            ">= 1.3" if name == "imagenet-like" else ">= 1.0",
             samples=over("kaisoku", "ffcv"),
             unit="rounds",
             reason=ffcv_missing,
             ffcv_first_epoch=next(
                 (r.get("first_epoch_samples_per_s") for r in set_rows if r["row"] == "ffcv"), None
             ),
+        )
+        # No JIT or other warm-up to pay: the first epoch against each steady round (the spread is the
+        # steady rounds'; the first epoch is one measurement per run).
+        first = next(r.get("first_epoch_samples_per_s") for r in set_rows if r["row"] == "kaisoku")
+        summary[f"kaisoku_first_epoch_vs_steady_{name}"] = goal(
+            first / kaisoku if first else None,
+            ">= 0.9",
+            samples=[first / value for value in rounds["kaisoku"]] if first else None,
+            unit="steady rounds",
+            reason="" if first else "the first epoch was not timed",
         )
         per_sample = next(r for r in set_rows if r["row"] == "kaisoku-per-sample")
         summary[f"kaisoku_batch_vs_per_sample_{name}"] = goal(
@@ -192,6 +202,13 @@ def part_a(row_sets: Sequence[RowSet], peer_dir: Path, *, warm_up: bool = True) 
                 kaisoku / steady["limit"], ">= 0.95", samples=over("kaisoku", "limit"), unit="rounds"
             )
             crop_row = next(r for r in set_rows if r["row"] == "kaisoku-crop-decode")
+            summary[f"kaisoku_crop_decode_vs_exact_{name}"] = goal(
+                steady["kaisoku-crop-decode"] / kaisoku,
+                ">= 1.3",
+                samples=over("kaisoku-crop-decode", "kaisoku"),
+                unit="rounds",
+                pixel_mean_abs_diff=crop_row.get("pixel_mean_abs_diff"),
+            )
             summary[f"kaisoku_crop_decode_vs_best_peer_{name}"] = goal(
                 steady["kaisoku-crop-decode"] / peers[best] if best else None,
                 ">= 1.3",
@@ -215,7 +232,7 @@ def part_a(row_sets: Sequence[RowSet], peer_dir: Path, *, warm_up: bool = True) 
         )
         summary[f"kaisoku_vs_best_peer_{name}"] = goal(
             kaisoku / peers[best] if best else None,
-            ">= 1.25",
+            ">= 1.5",
             samples=over("kaisoku", best),
             unit="rounds",
             reason="" if best else no_peer,
