@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kaisoku.bench import cluster_scaling as scaling
+from kaisoku.bench.cluster import planner_errors
 from kaisoku.bench.cluster_rank import split_clocks
 from kaisoku.distributed.launch import DEFAULT_TIMING, RendezvousTiming, rendezvous_for
 
@@ -64,3 +65,32 @@ def test_the_bench_clocks_reach_torchruns_rendezvous_and_the_default_is_unchange
         "--rdzv-conf=join_timeout=60,last_call_timeout=5,keep_alive_interval=5,keep_alive_max_attempt=3"
         in default.torchrun_args()
     )
+
+
+def test_a_probe_that_saw_the_link_rate_predicts_what_the_nominal_links_do(tmp_path: Path) -> None:
+    plan = replace(scaling.plan_for(False, tmp_path), sample_bytes=1500.0)
+    link_mb = plan.rate_mbit / 8  # MB/s
+    profile = {
+        "cluster": {"name": "box", "nodes": 1},
+        "shared_fs": {"readers": [1, 2], "seq_read_MBps": [link_mb, link_mb], "small_reads_per_s": [50, 60]},
+        "network": {"node_bandwidth_MBps": 1000.0},
+    }
+    for hosts, exchange in ((1, 0.0), (2, 0.25), (4, 0.0)):
+        row = {"hosts": hosts, "exchange": exchange}
+        assert scaling.probed_epoch_s(plan, profile, row) == pytest.approx(
+            scaling.predicted_epoch_s(plan, hosts, exchange), rel=0.01
+        )
+
+
+def test_planner_errors_judge_each_cells_median_and_each_repeats_worst() -> None:
+    rows = [
+        {"box": "a", "hosts": 2, "exchange": 0.25, "repeat": 0, "seconds": 2.0, "probed_s": 2.2},
+        {"box": "a", "hosts": 2, "exchange": 0.25, "repeat": 1, "seconds": 2.0, "probed_s": 2.2},
+        {"box": "b", "hosts": 3, "exchange": 0.0, "repeat": 0, "seconds": 4.0, "probed_s": 2.0},
+        {"box": "b", "hosts": 3, "exchange": 0.0, "repeat": 1, "seconds": 2.0, "probed_s": 2.0},
+        {"box": "b", "hosts": 1, "exchange": 0.0, "repeat": 0, "seconds": 1.0},  # no probe: left out
+    ]
+    errors, worst = planner_errors(rows)
+    # Cell b: measured median 3.0 s, predicted 2.0 s.
+    assert errors == [pytest.approx(0.1), pytest.approx(1 / 3, abs=1e-4)]
+    assert worst == [0.5, pytest.approx(0.1)]

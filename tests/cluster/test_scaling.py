@@ -18,8 +18,11 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 @pytest.mark.timeout(400)
 def test_every_cell_stages_its_hosts_partitions_and_two_hosts_exchange(tmp_path: Path) -> None:
-    plan = replace(scaling.plan_for(True, tmp_path / "work"), per_host=128, repeats=2)
-    rows, ran = scaling.measure(plan, timeout=300)
+    plan = replace(scaling.plan_for(True, tmp_path / "work"), per_host=128, repeats=2, probe_seconds=2.0)
+    rows, ran, profile = scaling.measure(plan, timeout=300)
+    # kaisoku probe ran on host 0 over its mount, and every cell has the planner's prediction from it.
+    assert profile is not None and profile["shared_fs"]["seq_read_MBps"][0] > 0
+    assert all(row["probed_s"] > 0 for row in rows)
     assert [(r["repeat"], r["hosts"], r["exchange"]) for r in rows] == [
         (0, 1, 0.0), (0, 2, 0.25), (1, 1, 0.0), (1, 2, 0.25),
     ]  # fmt: skip

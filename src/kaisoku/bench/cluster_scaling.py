@@ -66,6 +66,15 @@ class ScalingPlan:
     """Cache folders and results."""
     master: str
     """HOST:PORT of the ranks' TCP store (on host 0)."""
+    slow_links: tuple[tuple[int, float], ...] = ()
+    """(host, Mbit/s) of hosts whose link differs from :attr:`rate_mbit` (an asymmetric cluster)."""
+    probe_seconds: float = 0.0
+    """> 0: ``kaisoku probe`` measures host 0's mount for this long before the cells (the planner's
+    input, :func:`probed_epoch_s`); 0: no probe."""
+
+    def rate_of(self, host: int) -> float:
+        """Host ``host``'s link rate in Mbit/s."""
+        return dict(self.slow_links).get(host, self.rate_mbit)
 
     @property
     def hosts(self) -> int:
@@ -303,6 +312,72 @@ def predicted_efficiency(plan: ScalingPlan, hosts: int, exchange: float) -> floa
     return predicted_epoch_s(plan, 1, 0.0) / predicted_epoch_s(plan, hosts, exchange)
 
 
+def probe_host(box: Any, plan: ScalingPlan, host: int, env: dict[str, str]) -> dict[str, Any]:
+    """``kaisoku probe`` of host ``host``'s mount, run on that host as a user would on a node; the
+    profile it wrote. RuntimeError naming its log when it fails."""
+    import tomllib  # noqa: PLC0415 - only the probe's profile is read here
+
+    work = Path(plan.work)
+    out, local = work / f"probe-h{host}.toml", work / f"probe-h{host}-local"
+    local.mkdir(exist_ok=True)
+    argv = [sys.executable, "-m", "kaisoku", "probe", plan.mounts[host], "--out", str(out),
+            "--seconds", f"{plan.probe_seconds:g}", "--local", str(local)]  # fmt: skip
+    with (work / f"probe-h{host}.log").open("w") as log:
+        proc = box.popen(host, argv, env=env, cwd=work, mount=False, stdout=log, stderr=subprocess.STDOUT)
+    if proc.wait(120 + 4 * plan.probe_seconds) != 0:
+        raise RuntimeError(f"kaisoku probe exited with {proc.returncode}; see {work}/probe-h{host}.log")
+    shutil.rmtree(local, ignore_errors=True)
+    return tomllib.loads(out.read_text())
+
+
+def probed_epoch_s(plan: ScalingPlan, profile: dict[str, Any], row: dict[str, Any]) -> float:
+    """The first epoch ``kaisoku plan``'s model predicts for ``row``'s cell from the probe of host 0.
+
+    The probe sees one host's mount; each host of the box has a link of its own, so the shared storage's
+    aggregate at ``r`` readers (one a host) is ``r`` times the probe's one-reader bandwidth. The node
+    bandwidth is the links' rate (a probe on one node measures only its loopback), and no compute runs."""
+    from kaisoku.plan.cluster import cluster_from_dict  # noqa: PLC0415
+    from kaisoku.plan.model import Dataset, RateTable, Strategy, predict  # noqa: PLC0415
+
+    hosts, exchange = row["hosts"], row["exchange"]
+    probed = cluster_from_dict({**profile, "cluster": {**profile["cluster"], "nodes": hosts}}, "probe")
+    one_reader = probed.fs_seq.at(1)
+    readers = (1, 2, 4, 8, 16)
+    cluster = replace(
+        probed,
+        ranks_per_node=1,
+        readers_per_node=1,
+        fs_seq=RateTable(readers, tuple(one_reader * r for r in readers)),
+        network_bw=plan.rate_mbit * 1e6 / 8,
+        local_capacity=1e12,
+        ram_capacity=1e12,
+        step_seconds=0.0,
+        batch_per_rank=plan.batch,
+        loader_rate=0.0,
+    )
+    dataset = Dataset(
+        samples=hosts * plan.per_host, sample_bytes=plan.sample_bytes, shard_bytes=plan.shard_bytes
+    )
+    if hosts == 1:
+        strategy = Strategy("staged-global", "global")
+    else:
+        strategy = Strategy(f"partial-Q{exchange:g}", "partial", exchange=exchange)
+    return predict(cluster, dataset, strategy, hosts).first_epoch_s
+
+
+def unseen_plan(work: Path) -> ScalingPlan:
+    """The planner's cells on a box it was never built on: 3 hosts at 8 Mbit/s, host 2 at 4 (asymmetric),
+    2 hosts (both fast) and 3, Q = 0.25 and 0; host 0's mount probed first."""
+    return replace(
+        plan_for(False, work),
+        sizes=(2, 3),
+        rate_mbit=8.0,
+        slow_links=((2, 4.0),),
+        exchanges=(0.25, 0.0),
+        probe_seconds=8.0,
+    )
+
+
 def plan_for(quick: bool, work: Path) -> ScalingPlan:
     """The cells of a full run (1, 2 and 4 hosts, 3 repeats) or of ``--quick`` (1 and 2 hosts, once, a
     smaller set on faster links); mounts and store address are filled in once the box stands."""
@@ -317,20 +392,24 @@ def plan_for(quick: bool, work: Path) -> ScalingPlan:
         shard_bytes=128 * 1024,
         mounts=(),
         sample_bytes=0.0,
+        probe_seconds=0.0 if quick else 8.0,
         work=str(work),
         master="",
     )
 
 
-def measure(plan: ScalingPlan, *, timeout: float) -> tuple[list[dict[str, Any]], ScalingPlan]:
+def measure(
+    plan: ScalingPlan, *, timeout: float
+) -> tuple[list[dict[str, Any]], ScalingPlan, dict[str, Any] | None]:
     """Build the box (the plan's hosts, each link shaped, and a storage host serving the packed sets over
-    sshfs to each host), run every cell; the rows with the planner's predictions, and the plan as run."""
+    sshfs to each host), probe host 0's mount where the plan asks, run every cell; the rows with the
+    planner's predictions, the plan as run and the probe's profile (None without a probe)."""
     work = Path(plan.work)
     shared = work / "shared"
     shared.mkdir(parents=True)
     plan = replace(plan, sample_bytes=make_packs(plan, shared))
     hosts = plan.hosts
-    links = {host: Link(rate_mbit=plan.rate_mbit) for host in range(hosts)}  # the storage host's: unshaped
+    links = {host: Link(rate_mbit=plan.rate_of(host)) for host in range(hosts)}  # storage's: unshaped
     source = str(Path(kaisoku.__file__).resolve().parents[1])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH", "")) if p)
@@ -341,7 +420,11 @@ def measure(plan: ScalingPlan, *, timeout: float) -> tuple[list[dict[str, Any]],
             mount.remount(0.0)
             where.append(str(mount.mount))
         ready = replace(plan, mounts=tuple(where), master=f"{box.members[0].address}:{STORE_PORT}")
-        return scaling_rows(run_cells(box, ready, env, timeout), ready), ready
+        profile = probe_host(box, ready, 0, env) if plan.probe_seconds > 0 else None
+        rows = scaling_rows(run_cells(box, ready, env, timeout), ready)
+        if profile is not None:
+            rows = [{**row, "probed_s": round(probed_epoch_s(ready, profile, row), 3)} for row in rows]
+        return rows, ready, profile
 
 
 def main(argv: list[str] | None = None) -> int:
