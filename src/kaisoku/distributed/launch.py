@@ -46,6 +46,28 @@ LAST_CALL_S = 5
 UNSHARED_STORE_ENV = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
+@dataclass(frozen=True)
+class RendezvousTiming:
+    """The c10d rendezvous's clocks: a host is dropped after ``heartbeat_misses`` heartbeats of
+    ``heartbeat_s`` seconds missed (torchrun's defaults, 5 s and 3), and a round waits ``last_call_s`` for
+    more hosts once MIN have joined. Shorter clocks suit a box of hosts on one machine, not a cluster."""
+
+    heartbeat_s: int = 5
+    heartbeat_misses: int = 3
+    last_call_s: int = LAST_CALL_S
+
+    def rdzv_conf(self) -> str:
+        """The clocks as ``--rdzv-conf`` entries."""
+        return (
+            f"last_call_timeout={self.last_call_s},keep_alive_interval={self.heartbeat_s},"
+            f"keep_alive_max_attempt={self.heartbeat_misses}"
+        )
+
+
+#: The clocks of ``kaisoku train``'s rendezvous.
+DEFAULT_TIMING = RendezvousTiming()
+
+
 def node_counts(nnodes: str) -> tuple[int, int]:
     """``dist.nnodes`` (``N`` or ``MIN:MAX``) as (MIN, MAX); ConfigError naming the field otherwise."""
     parts = str(nnodes).split(":")
@@ -72,6 +94,8 @@ class Rendezvous:
     """This host's index for the static rendezvous; -1: c10d assigns it."""
     join_timeout: float = 600.0
     """Seconds a host waits for the others to join."""
+    timing: RendezvousTiming = RendezvousTiming()
+    """Heartbeats and last call of the c10d rendezvous."""
 
     def agent_env(self) -> dict[str, str]:
         """What torchrun's agent needs in its environment for this rendezvous (see UNSHARED_STORE_ENV)."""
@@ -93,12 +117,18 @@ class Rendezvous:
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={self.endpoint}",
             f"--rdzv-id={self.run_id}",
-            f"--rdzv-conf=join_timeout={int(self.join_timeout)},last_call_timeout={LAST_CALL_S}",
+            f"--rdzv-conf=join_timeout={int(self.join_timeout)},{self.timing.rdzv_conf()}",
         ]
 
 
 def rendezvous_for(
-    nnodes: str, node_rank: int, endpoint: str, *, run_id: str, join_timeout: float
+    nnodes: str,
+    node_rank: int,
+    endpoint: str,
+    *,
+    run_id: str,
+    join_timeout: float,
+    timing: RendezvousTiming = DEFAULT_TIMING,
 ) -> Rendezvous | None:
     """The rendezvous of ``dist.nnodes`` / ``dist.node_rank`` / ``dist.rdzv_endpoint``; None for one host.
 
@@ -131,6 +161,7 @@ def rendezvous_for(
         run_id=run_id,
         node_rank=node_rank,
         join_timeout=join_timeout,
+        timing=timing,
     )
 
 

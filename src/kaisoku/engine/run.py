@@ -21,7 +21,9 @@ from kaisoku.data.loading.loader import ShardLoader
 from kaisoku.data.node_cache.cache import claim_tier, reclaim_dead_tiers, remove_tier
 from kaisoku.distributed import env
 from kaisoku.distributed.launch import (
+    DEFAULT_TIMING,
     Rendezvous,
+    RendezvousTiming,
     adopt_rendezvous_round,
     die_with_launcher,
     launch_local,
@@ -47,7 +49,7 @@ log = logging.getLogger("kaisoku.engine.run")
 MULTIHOST_ENV = "KAISOKU_MULTIHOST"
 
 
-def rendezvous_of(cfg: Config) -> Rendezvous | None:
+def rendezvous_of(cfg: Config, timing: RendezvousTiming = DEFAULT_TIMING) -> Rendezvous | None:
     """The rendezvous of ``cfg.dist`` (None on one host); its id is the run folder's, alike on every host."""
     run_id = "kaisoku-" + hashlib.sha256(str(Path(cfg.run_dir).expanduser()).encode()).hexdigest()[:12]
     return rendezvous_for(
@@ -56,22 +58,30 @@ def rendezvous_of(cfg: Config) -> Rendezvous | None:
         cfg.dist.rdzv_endpoint,
         run_id=run_id,
         join_timeout=cfg.dist.timeout,
+        timing=timing,
     )
 
 
-def train_on_local_ranks(cfg: Config, nproc: int, *, rank_entry: Sequence[str] | None = None) -> int:
+def train_on_local_ranks(
+    cfg: Config,
+    nproc: int,
+    *,
+    rank_entry: Sequence[str] | None = None,
+    timing: RendezvousTiming = DEFAULT_TIMING,
+) -> int:
     """Start ``nproc`` ranks on this node that train ``cfg``; the exit code for ``kaisoku train``.
 
     The run folder is claimed first (its lock, held until the ranks end; see :mod:`kaisoku.engine.run_dir`).
     The config goes to ``RUN_DIR/config.toml`` and each rank runs ``kaisoku train --config`` on it (or
-    ``rank_entry``, a script and its arguments, which tests use to wrap :func:`run_training`). A failed
+    ``rank_entry``, a script and its arguments, which tests use to wrap :func:`run_training`; ``timing``, the
+    rendezvous's clocks, which a cluster in a box shortens). A failed
     rank is reported in one line; only complete checkpoints are left, and no RAM tier of a rank that died.
 
     With ``dist.nnodes`` > 1 every host runs this with the same config; torchrun's rendezvous joins them
     (:func:`rendezvous_of`) and rank 0, wherever it lands, holds the run folder.
     """
 
-    rendezvous = rendezvous_of(cfg)
+    rendezvous = rendezvous_of(cfg, timing)
     dataset_root(cfg)  # generate the demo set once, before the ranks start
     run_dir = Path(cfg.run_dir).expanduser()
     # Across hosts rank 0 takes the folder's lock once the ranks run; each host checks the folder now, so

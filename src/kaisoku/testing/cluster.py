@@ -432,14 +432,15 @@ class ClusterBox:
 
     # ---------------------------------------------------------------------------------------- running
 
-    def command(self, host: int, argv: Sequence[str], *, cwd: Path | str | None = None) -> list[str]:
-        """``argv`` as a command that runs on host ``host`` (in its network, mount and UTS namespaces)."""
+    def command(
+        self, host: int, argv: Sequence[str], *, cwd: Path | str | None = None, mount: bool = True
+    ) -> list[str]:
+        """``argv`` as a command that runs on host ``host`` (in its network, mount and UTS namespaces;
+        ``mount=False``: its network only, seeing this machine's mounts, such as a host's sshfs mount)."""
         member = self.members[host]
         where = Path(cwd) if cwd is not None else Path.cwd()
-        return [
-            "nsenter", f"--net=/run/netns/{member.netns}", f"--mount={member.mount_ns}",
-            f"--uts={member.uts_ns}", f"--wd={where}", "--", *argv,
-        ]  # fmt: skip
+        own = [f"--mount={member.mount_ns}", f"--uts={member.uts_ns}"] if mount else []
+        return ["nsenter", f"--net=/run/netns/{member.netns}", *own, f"--wd={where}", "--", *argv]
 
     def popen(
         self,
@@ -448,10 +449,13 @@ class ClusterBox:
         *,
         env: Mapping[str, str] | None = None,
         cwd: Path | str | None = None,
+        mount: bool = True,
         **kwargs: Any,
     ) -> subprocess.Popen[Any]:
-        """Start ``argv`` on host ``host``; :meth:`close` kills it if it still runs."""
-        proc = subprocess.Popen(self.command(host, argv, cwd=cwd), env=dict(env or os.environ), **kwargs)
+        """Start ``argv`` on host ``host`` (``mount`` as in :meth:`command`); :meth:`close` kills it if it
+        still runs."""
+        command = self.command(host, argv, cwd=cwd, mount=mount)
+        proc = subprocess.Popen(command, env=dict(env or os.environ), **kwargs)
         self._procs.append(proc)
         return proc
 

@@ -4,9 +4,9 @@ in this process's mount namespace: a slow shared file system on one machine (roo
 Topology (inside the box; the box removes all of it when it closes)::
 
     client host (box host c)                          storage host (box host s)
-      ssh (spawned by sshfs) -- eth0 --- bridge --- eth0 :2222  delay proxy (:func:`serve_proxy`)
+      ssh (spawned by sshfs) -- eth0 --- bridge --- eth0 :2222+c  delay proxy (:func:`serve_proxy`)
                                                                   |
-                                                            127.0.0.1:22  sshd (internal-sftp)
+                                                            127.0.0.1:22000+c  sshd (internal-sftp)
 
 ``sshfs`` itself runs in this process's mount namespace, so the mount is visible to this process and its
 children (a benchmark's readers); only its ``ssh`` child lives on the client host, so every byte read
@@ -39,7 +39,7 @@ from typing import IO
 from kaisoku.testing.cluster import ClusterBox
 
 _PROXY_PORT = 2222
-_SSHD_PORT = 22
+_SSHD_PORT = 22000
 _CHUNK = 256 * 1024
 _SSHD = Path("/usr/sbin/sshd")
 
@@ -180,7 +180,9 @@ class SshfsMount:
         self.served = Path(served).resolve()
         self.storage, self.client = storage, client
         self.timeout = timeout
-        self.work = box.folder / f"sshfs-h{storage}"
+        # One sshd and proxy per (storage, client) pair: several hosts may mount from one storage host.
+        self.work = box.folder / f"sshfs-h{storage}-c{client}"
+        self.sshd_port, self.proxy_port = _SSHD_PORT + client, _PROXY_PORT + client
         self.mount = self.work / "mnt"
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._closed = False
@@ -235,7 +237,7 @@ class SshfsMount:
         config.write_text(
             "\n".join(
                 [
-                    f"ListenAddress 127.0.0.1:{_SSHD_PORT}",
+                    f"ListenAddress 127.0.0.1:{self.sshd_port}",
                     f"HostKey {host_key}",
                     f"PidFile {self.work / 'sshd.pid'}",
                     f"AuthorizedKeysFile {self.work / 'authorized_keys'}",
@@ -258,13 +260,13 @@ class SshfsMount:
             stdout=subprocess.DEVNULL,
             stderr=self._log("sshd"),
         )
-        self.box.wait_listening(self.storage, "127.0.0.1", _SSHD_PORT, what="sshd", timeout=self.timeout)
+        self.box.wait_listening(self.storage, "127.0.0.1", self.sshd_port, what="sshd", timeout=self.timeout)
 
     def _start_proxy(self, delay: float) -> None:
         self._stop("proxy")
         argv = [
             sys.executable, "-m", "kaisoku.testing.sshfs", "proxy",
-            "--listen", f"{self._address}:{_PROXY_PORT}", "--target", f"127.0.0.1:{_SSHD_PORT}",
+            "--listen", f"{self._address}:{self.proxy_port}", "--target", f"127.0.0.1:{self.sshd_port}",
             "--delay-ms", str(delay * 1e3),
         ]  # fmt: skip
         self._procs["proxy"] = self.box.popen(
@@ -275,7 +277,7 @@ class SshfsMount:
             stderr=self._log("proxy"),
         )
         self.box.wait_listening(
-            self.client, self._address, _PROXY_PORT, what="the delay proxy", timeout=self.timeout
+            self.client, self._address, self.proxy_port, what="the delay proxy", timeout=self.timeout
         )
 
     def remount(self, delay: float) -> None:
@@ -286,7 +288,7 @@ class SshfsMount:
         ssh = " ".join(self.box.command(self.client, ["ssh"], cwd="/"))
         argv = [
             "sshfs", f"root@{self._address}:{self.served}", str(self.mount), "-f",
-            "-p", str(_PROXY_PORT),
+            "-p", str(self.proxy_port),
             "-o", f"ssh_command={ssh}",
             "-o", "dir_cache=no",
             "-o", f"IdentityFile={self.work / 'client_key'}",
