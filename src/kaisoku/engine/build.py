@@ -268,6 +268,7 @@ def build_sharded_engine(
         loss_fn=loss_fn,
         precision=built.precision,
         guard=NonFiniteGuard(model, device, every_step=cfg.train.on_nonfinite == "skip"),
+        activations=built.memory.activations if built.memory is not None else None,
     )
 
 

@@ -2,14 +2,21 @@
 interface the trainer drives.
 
 The model arrives sharded (:func:`kaisoku.distributed.sharding.shard_model`); under bf16 its blocks are
-gathered in bf16 and the step runs under autocast, so the layers kept in float32 stay so, as under DDP. Micro-batches before the step's last keep their gradients local
-and the weights gathered (:func:`~kaisoku.distributed.sharding.set_micro_batch`); the last reduce-scatters.
+gathered in bf16 and the step runs under autocast, so the layers kept in float32 stay so, as under DDP.
+Micro-batches before the step's last keep their gradients local and the weights gathered
+(:func:`~kaisoku.distributed.sharding.set_micro_batch`); the last reduce-scatters.
 Checkpoints hold DTensor shards, written by every rank (:mod:`kaisoku.distributed.sharded_checkpoint`).
+
+The memory techniques of ``memory.*`` (recompute, per-block policies) are applied to the bare model before it
+is sharded, as activation checkpointing goes before ``fully_shard``: a recomputed block's forward runs again
+inside backward, where FSDP2 already gathered its weights. Compression and offload of saved activations
+wrap each forward pass here; the gathered weights are parameters, which they leave as they are.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -22,6 +29,15 @@ from kaisoku.distributed.sharding import broadcast_buffers, local_weights_finite
 from kaisoku.engine.divergence import NonFiniteGuard
 from kaisoku.engine.step import LossFn, MicroBatches, Precision
 from kaisoku.errors import KaisokuError
+
+
+class ActivationHooks(Protocol):
+    """What packs a forward pass's saved activations (:class:`~kaisoku.memory.compress.ActivationCompressor`,
+    a :mod:`kaisoku.memory.offload` store)."""
+
+    def step(self) -> contextlib.AbstractContextManager[None]:
+        """The saved-tensors hooks of one forward pass."""
+        ...
 
 
 class ShardedStep:
@@ -43,6 +59,7 @@ class ShardedStep:
         loss_fn: LossFn,
         precision: Precision,
         guard: NonFiniteGuard | None = None,
+        activations: ActivationHooks | None = None,
     ) -> None:
         self._model = model
         self._optimizer = optimizer
@@ -50,6 +67,8 @@ class ShardedStep:
         self.loss_fn = loss_fn
         self.precision = precision
         self.guard = guard
+        self.activations = activations
+        """Packs what each forward pass saves for backward (``memory.compress`` / ``offload``), when given."""
 
     @property
     def model(self) -> nn.Module:
@@ -74,7 +93,8 @@ class ShardedStep:
         for k, (inputs, targets) in enumerate(micro_batches):
             if count > 1:
                 set_micro_batch(self._model, last=k == count - 1)
-            with self.precision.autocast():
+            saving = self.activations.step() if self.activations else contextlib.nullcontext()
+            with self.precision.autocast(), saving:
                 loss = self.loss_fn(self._model(inputs), targets) / count
             loss.backward()
             total += loss.detach().float()
