@@ -9,6 +9,11 @@ sharded model too (:func:`load_full_into_sharded`). Folder naming and atomicity 
 :class:`kaisoku.engine.checkpoint.CheckpointManager`'s. :func:`read_whole` and :func:`write_whole` move a
 checkpoint between the two forms in one process, with no model and no process group (``kaisoku ckpt
 convert``). :class:`BackgroundSaver` writes the shards while training goes on (``checkpoint.async_save``).
+
+DCP keeps no checksums: a damaged folder is found by :func:`check_shard_files` (a shard file missing or
+cut short, from the metadata and the files' sizes) or by the load itself (a piece that does not load;
+DCP's ``CheckpointException``, a BaseException, becomes :class:`UnreadableCheckpointError` naming the
+folder and the file). Bytes changed inside a tensor's data load as they are.
 """
 
 from __future__ import annotations
@@ -163,9 +168,12 @@ def _first_unreadable_file(folder: Path) -> str | None:
         (info.relative_path, info.offset, info.length) for info in (metadata.storage_data or {}).values()
     )
     for name, offset, length in pieces:
-        with open(folder / name, "rb") as handle:
-            handle.seek(offset)
-            piece = handle.read(length)
+        try:
+            with open(folder / name, "rb") as handle:
+                handle.seek(offset)
+                piece = handle.read(length)
+        except OSError:
+            return name
         # Tensors and small objects alike are torch.save archives (a zip file each); an object's classes may
         # be ones weights_only refuses to build, which says that the archive itself read.
         if not piece.startswith(_ZIP_MAGIC):
