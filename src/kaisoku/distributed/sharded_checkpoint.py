@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from kaisoku.distributed.named_state import is_named_optimizer_state
 from kaisoku.errors import KaisokuError
 
 #: The file DCP writes last, once every rank's shards are in place: a folder without it is incomplete.
@@ -259,11 +260,24 @@ def load_full_into_sharded(
     model_state: dict[str, Any], optimizer_state: dict[str, Any], model: nn.Module, optimizer: Optimizer
 ) -> None:
     """Load whole-tensor model and optimizer state (a single-file checkpoint) into a sharded model: each
-    rank keeps its own pieces."""
+    rank keeps its own pieces.
+
+    ``optimizer_state``: a data-parallel run's (numbered, ``Optimizer.state_dict``) or a pipeline run's
+    layout-independent form (:mod:`kaisoku.distributed.named_state`: keyed by parameter name already, its
+    groups merged over the stages; each parameter finds its group by name)."""
+    if is_named_optimizer_state(optimizer_state):
+        named = {
+            "state": optimizer_state["state"],
+            "param_groups": [
+                {**group, "param_names": list(group["params"])} for group in optimizer_state["param_groups"]
+            ],
+        }
+    else:
+        named = named_optimizer_state(optimizer_state, optimizer, model)
     _dcp().state_dict.set_state_dict(
         model,
         optimizer,
         model_state_dict=model_state,
-        optim_state_dict=named_optimizer_state(optimizer_state, optimizer, model),
+        optim_state_dict=named,
         options=_dcp().state_dict.StateDictOptions(full_state_dict=True),
     )

@@ -28,7 +28,6 @@ from kaisoku.distributed.sharded_checkpoint import load_full_into_sharded, load_
 from kaisoku.distributed.sharding import broadcast_buffers, local_weights_finite, set_micro_batch
 from kaisoku.engine.divergence import NonFiniteGuard
 from kaisoku.engine.step import LossFn, MicroBatches, Precision
-from kaisoku.errors import KaisokuError
 
 
 class ActivationHooks(Protocol):
@@ -132,12 +131,8 @@ class ShardedStep:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a sharded checkpoint (any shard layout or world size) or a single-file data-parallel one."""
-        if "layout" in state:
-            raise KaisokuError(
-                "a checkpoint written under pipeline parallelism does not load into parallel.shard yet; "
-                "resume it with its own parallel settings"
-            )
+        """Load a sharded checkpoint (any shard layout or world size) or a single-file one: data-parallel, or a
+        pipeline run's (whole tensors, optimizer state keyed by parameter name), sharded or not."""
         if "sharded_dir" in state:
             load_sharded(state["sharded_dir"], self._model, self._optimizer)
         else:
