@@ -87,8 +87,11 @@ def test_mesh_shape_arithmetic() -> None:
         ({"parallel__shard": "full", "optim__compile": True}, "optim.compile"),
         ({"parallel__shard": "full", "precision__mode": "int8-stats"}, "precision.mode int8-stats"),
         ({"parallel__shard": "full", "dist__compress": "bf16"}, "dist.compress"),
-        ({"parallel__shard": "full", "memory__recompute": "blocks"}, "memory.recompute"),
-        ({"parallel__shard": "full", "memory__budget": "0.5"}, "memory.recompute / compress"),
+        (
+            {"parallel__shard": "full", "parallel__pp": 2, "memory__recompute": "blocks"},
+            "parallel.pp 2 does not work with memory.recompute",
+        ),
+        ({"parallel__shard": "full", "memory__budget": "0.5"}, "memory.budget (it chooses full sharding"),
         ({"checkpoint__async_save": True}, "checkpoint.async_save writes sharded checkpoints"),
     ],
 )
@@ -96,3 +99,18 @@ def test_refusals_are_one_line(overrides: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")) as caught:
         _plan(4, **overrides)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "memory",
+    [
+        {"memory__recompute": "blocks"},
+        {"memory__recompute": "selective", "memory__blocks": "1-2"},
+        {"memory__compress": "int8"},
+        {"memory__policy": "0-1:recompute,2:compress"},
+    ],
+)
+def test_memory_techniques_compose_with_sharding(memory: dict) -> None:
+    for level in ("grad", "full"):
+        plan = _plan(4, parallel__shard=level, **memory)
+        assert plan.sharded_engine and plan.shard == level

@@ -448,11 +448,9 @@ def _check_shard(cfg: Config, world: WorldShape | None, hybrid: bool) -> tuple[i
         (cfg.precision.mode.endswith("-stats"), f"precision.mode {cfg.precision.mode} (use bf16 or fp32)"),
         (cfg.dist.compress != "none", "dist.compress (a DDP setting; the reduce-scatter runs in fp32)"),
         (
-            cfg.memory.recompute != "none"
-            or cfg.memory.compress != "none"
-            or cfg.memory.offload != "none"
-            or bool(cfg.memory.budget.strip() or cfg.memory.policy.strip()),
-            "memory.recompute / compress / offload / budget / policy (not yet on sharded blocks)",
+            bool(cfg.memory.budget.strip()),
+            "memory.budget (it chooses full sharding itself when memory.allow_shard is on; leave "
+            "parallel.shard none)",
         ),
     ]
     for refused, setting in unsupported:

@@ -295,7 +295,7 @@ def test_convert_refuses_bad_sources(
         tmp_path / "missing": "does not exist",
         tmp_path / "empty": "is not a kaisoku checkpoint",
         incomplete: "is incomplete (no .metadata)",
-        damaged: "is corrupt or unreadable (EOFError reading its shards)",
+        damaged: "is corrupt or unreadable (its shard file __1_0.distcp is cut short: 1000 of ",
         junk: "is corrupt or unreadable",
     }
     for source, expected in cases.items():

@@ -3,11 +3,13 @@
 Run as a script (``python tests/engine/paused_save_entry.py [kaisoku train arguments]``): it launches
 the ranks through :func:`kaisoku.engine.run.train_on_local_ranks` with itself as their entry; on a
 rank (inside torchrun) it trains with a ``before_rename`` callback that writes ``PAUSED`` beside the temp
-file and sleeps, so a test can kill the writer with a complete temp file that is not yet renamed.
+file and sleeps, so a test can kill the writer with a complete temp file that is not yet renamed. With
+``PAUSE_AT_STEP`` in the environment only the checkpoint of that step pauses (the others are published).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,6 +23,9 @@ PAUSE_SECONDS = 120.0
 
 
 def _pause(tmp: Path) -> None:
+    step = os.environ.get("PAUSE_AT_STEP")
+    if step and not tmp.name.startswith(f".step-{int(step):08d}."):
+        return
     (tmp.parent / "PAUSED").write_text(str(tmp))
     time.sleep(PAUSE_SECONDS)
 

@@ -9,10 +9,16 @@ sharded model too (:func:`load_full_into_sharded`). Folder naming and atomicity 
 :class:`kaisoku.engine.checkpoint.CheckpointManager`'s. :func:`read_whole` and :func:`write_whole` move a
 checkpoint between the two forms in one process, with no model and no process group (``kaisoku ckpt
 convert``). :class:`BackgroundSaver` writes the shards while training goes on (``checkpoint.async_save``).
+
+DCP keeps no checksums: a damaged folder is found by :func:`check_shard_files` (a shard file missing or
+cut short, from the metadata and the files' sizes) or by the load itself (a piece that does not load;
+DCP's ``CheckpointException``, a BaseException, becomes :class:`UnreadableCheckpointError` naming the
+folder and the file). Bytes changed inside a tensor's data load as they are.
 """
 
 from __future__ import annotations
 
+import io
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
@@ -23,10 +29,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from kaisoku.distributed.named_state import is_named_optimizer_state
 from kaisoku.errors import KaisokuError
 
 #: The file DCP writes last, once every rank's shards are in place: a folder without it is incomplete.
 METADATA_FILE = ".metadata"
+
+
+class UnreadableCheckpointError(KaisokuError):
+    """A checkpoint that is damaged or incomplete (not one of another model): an older one may still load.
+
+    Raised alike on every rank by a sharded load (DCP gathers each rank's read failures), so that
+    ``--resume auto`` can move on to an older checkpoint on all ranks together.
+    """
 
 
 def _dcp() -> Any:
@@ -84,19 +99,11 @@ def read_whole(folder: Path, scratch: Path) -> dict[str, Any]:
     into; it is memory-mapped back, so the state is never held twice in memory, and removed by the caller.
     """
     dcp = _dcp()
+    check_shard_files(folder)
     try:
         dcp.format_utils.dcp_to_torch_save(folder, scratch)
-    except (
-        dcp.api.CheckpointException
-    ) as error:  # a BaseException: each rank's failure wrapped (one rank here)
-        # Each failure is torch's (exception, stack) pair.
-        causes = [
-            failure[0] if isinstance(failure, tuple) else failure for failure in error.failures.values()
-        ]
-        why = ", ".join(sorted({type(cause).__name__ for cause in causes})) or "unknown"
-        raise KaisokuError(
-            f"checkpoint {folder} is corrupt or unreadable ({why} reading its shards)"
-        ) from None
+    except dcp.api.CheckpointException as error:  # a BaseException: each rank's failure wrapped
+        raise unreadable(folder, error) from None
     return torch.load(scratch, map_location="cpu", weights_only=True, mmap=True)
 
 
@@ -112,6 +119,91 @@ def write_whole(state: dict[str, Any], folder: Path) -> None:
         dcp.save(state, storage_writer=writer, no_dist=True)
 
 
+def _storage_files(folder: Path) -> tuple[Any, dict[str, int]]:
+    """The folder's DCP metadata and, for each shard file it names, the bytes that file must hold."""
+    dcp = _dcp()
+    try:
+        metadata = dcp.FileSystemReader(folder).read_metadata()
+    except FileNotFoundError:
+        raise UnreadableCheckpointError(f"checkpoint {folder} is incomplete (no {METADATA_FILE})") from None
+    except Exception as error:  # pickle raises several types for a damaged file
+        raise UnreadableCheckpointError(
+            f"checkpoint {folder} is corrupt or unreadable ({METADATA_FILE}: {type(error).__name__})"
+        ) from None
+    sizes: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
+    return metadata, sizes
+
+
+def check_shard_files(folder: str | Path) -> None:
+    """UnreadableCheckpointError naming the file when a shard file that the metadata of the sharded checkpoint
+    ``folder`` lists is missing or shorter than the pieces it records (a copy or disk cut short).
+
+    Reads the metadata and the files' sizes only: cheap enough to run on every checkpoint considered."""
+    folder = Path(folder)
+    _, sizes = _storage_files(folder)
+    for name, needed in sorted(sizes.items()):
+        try:
+            held = (folder / name).stat().st_size
+        except FileNotFoundError:
+            raise UnreadableCheckpointError(
+                f"checkpoint {folder} is incomplete (its shard file {name} is missing)"
+            ) from None
+        if held < needed:
+            raise UnreadableCheckpointError(
+                f"checkpoint {folder} is corrupt or unreadable (its shard file {name} is cut short: "
+                f"{held} of {needed} bytes)"
+            )
+
+
+def _first_unreadable_file(folder: Path) -> str | None:
+    """The first shard file of ``folder`` holding a piece that does not load (None: each one loads).
+
+    Reads every piece once, one at a time: only after a load failed, to name the file."""
+    try:
+        metadata, _ = _storage_files(folder)
+    except KaisokuError:
+        return METADATA_FILE
+    pieces = sorted(
+        (info.relative_path, info.offset, info.length) for info in (metadata.storage_data or {}).values()
+    )
+    for name, offset, length in pieces:
+        try:
+            with open(folder / name, "rb") as handle:
+                handle.seek(offset)
+                piece = handle.read(length)
+        except OSError:
+            return name
+        # Tensors and small objects alike are torch.save archives (a zip file each); an object's classes may
+        # be ones weights_only refuses to build, which says that the archive itself read.
+        if not piece.startswith(_ZIP_MAGIC):
+            return name
+        try:
+            torch.load(io.BytesIO(piece), map_location="cpu", weights_only=True)
+        except Exception as error:  # noqa: BLE001 - any other failure to load names the file
+            if "Unsupported global" not in str(error):
+                return name
+    return None
+
+
+#: How every torch.save archive begins (a zip file's local header).
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def unreadable(folder: str | Path, error: BaseException) -> UnreadableCheckpointError:
+    """The one-line error of DCP's ``CheckpointException`` (every rank's failures) reading ``folder``."""
+    failures = getattr(error, "failures", {}) or {}
+    # Each failure is torch's (exception, stack) pair.
+    causes = [failure[0] if isinstance(failure, tuple) else failure for failure in failures.values()]
+    why = ", ".join(sorted({type(cause).__name__ for cause in causes})) or type(error).__name__
+    name = _first_unreadable_file(Path(folder))
+    where = f" in {name}" if name else ""
+    return UnreadableCheckpointError(
+        f"checkpoint {folder} is corrupt or unreadable ({why} reading its shards{where})"
+    )
+
+
 def _read_into(folder: str | Path, model: nn.Module, optimizer: Optimizer) -> tuple[dict, dict]:
     """This model's and optimizer's state, read from the sharded checkpoint ``folder`` into their layout."""
     # The templates say which pieces this rank needs; an optimizer without state yet gets it by a
@@ -119,7 +211,11 @@ def _read_into(folder: str | Path, model: nn.Module, optimizer: Optimizer) -> tu
     dcp = _dcp()
     model_state, optimizer_state = dcp.state_dict.get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(folder))
+    check_shard_files(folder)
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(folder))
+    except dcp.api.CheckpointException as error:  # a BaseException; raised alike on every rank
+        raise unreadable(folder, error) from None
     return state["model"], state["optimizer"]
 
 
@@ -164,11 +260,24 @@ def load_full_into_sharded(
     model_state: dict[str, Any], optimizer_state: dict[str, Any], model: nn.Module, optimizer: Optimizer
 ) -> None:
     """Load whole-tensor model and optimizer state (a single-file checkpoint) into a sharded model: each
-    rank keeps its own pieces."""
+    rank keeps its own pieces.
+
+    ``optimizer_state``: a data-parallel run's (numbered, ``Optimizer.state_dict``) or a pipeline run's
+    layout-independent form (:mod:`kaisoku.distributed.named_state`: keyed by parameter name already, its
+    groups merged over the stages; each parameter finds its group by name)."""
+    if is_named_optimizer_state(optimizer_state):
+        named = {
+            "state": optimizer_state["state"],
+            "param_groups": [
+                {**group, "param_names": list(group["params"])} for group in optimizer_state["param_groups"]
+            ],
+        }
+    else:
+        named = named_optimizer_state(optimizer_state, optimizer, model)
     _dcp().state_dict.set_state_dict(
         model,
         optimizer,
         model_state_dict=model_state,
-        optim_state_dict=named_optimizer_state(optimizer_state, optimizer, model),
+        optim_state_dict=named,
         options=_dcp().state_dict.StateDictOptions(full_state_dict=True),
     )

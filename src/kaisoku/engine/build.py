@@ -29,6 +29,7 @@ from kaisoku.distributed.mesh import build_data_mesh
 from kaisoku.distributed.pipeline import HybridOptions
 from kaisoku.distributed.sharding import shard_model, shard_norm_reducer
 from kaisoku.engine.checkpoint import CheckpointManager
+from kaisoku.engine.checkpoint_resume import resume_trainer
 from kaisoku.engine.compile import compile_run, synthetic_batch
 from kaisoku.engine.data_build import DataParts, build_data, user_collate
 from kaisoku.engine.divergence import NonFiniteGuard
@@ -267,6 +268,7 @@ def build_sharded_engine(
         loss_fn=loss_fn,
         precision=built.precision,
         guard=NonFiniteGuard(model, device, every_step=cfg.train.on_nonfinite == "skip"),
+        activations=built.memory.activations if built.memory is not None else None,
     )
 
 
@@ -491,33 +493,5 @@ def build_trainer(
         metrics.log(built.memory.record())
         metrics.message(built.memory.message())
     if resume:
-        _resume(trainer, resume)
+        resume_trainer(trainer, resume)
     return trainer
-
-
-def _resume(trainer: Trainer, resume: str) -> None:
-    """Load the checkpoint that ``resume`` names ("auto": the newest valid one; none yet is fine)."""
-    assert trainer.checkpoints is not None
-    path: str | None = None
-    if trainer.world.is_main:
-        if resume == "auto":
-            trainer.checkpoints.remove_partial()
-            found = trainer.checkpoints.latest_valid()
-            path = str(found[0]) if found else None
-        else:
-            path = resume
-    # Rank 0 picks the file so that every rank loads the same one even while files change.
-    path = env.broadcast_object(path)  # type: ignore[assignment]
-    if path is None:
-        trainer.metrics.message("no checkpoint to resume from; starting fresh")
-        return
-    state = CheckpointManager.load(Path(path))
-    trainer.load_state_dict(state, source=f"checkpoint {path}")
-    trainer.metrics.message(f"resumed from {path} at step {trainer.state.step}")
-    old, new = int(state.get("world_size", 0)), trainer.world.world_size
-    if old and old != new:
-        # Sample order is keyed by (seed, epoch) and sliced by rank: the world size does not change it.
-        trainer.metrics.log({"step": trainer.state.step, "event": "world_size", "from": old, "to": new})
-        trainer.metrics.message(
-            f"world size changed since the checkpoint: {old} -> {new} ranks; the sample order is unchanged"
-        )

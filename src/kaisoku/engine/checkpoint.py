@@ -26,7 +26,13 @@ from typing import Any
 import torch
 
 from kaisoku.distributed import env
-from kaisoku.distributed.sharded_checkpoint import METADATA_FILE, BackgroundSaver, save_sharded
+from kaisoku.distributed.sharded_checkpoint import (
+    METADATA_FILE,
+    BackgroundSaver,
+    UnreadableCheckpointError,
+    check_shard_files,
+    save_sharded,
+)
 from kaisoku.errors import KaisokuError
 from kaisoku.fsutil import atomic_open, fsync_dir
 
@@ -192,7 +198,7 @@ class CheckpointManager:
         except FileNotFoundError:
             raise KaisokuError(f"checkpoint {path} does not exist") from None
         except Exception as error:  # torch raises several types for a damaged file
-            raise KaisokuError(
+            raise UnreadableCheckpointError(
                 f"checkpoint {path} is corrupt or unreadable ({type(error).__name__})"
             ) from None
         missing = [key for key in REQUIRED_KEYS if not isinstance(state, dict) or key not in state]
@@ -206,9 +212,14 @@ class CheckpointManager:
             )
         return state
 
-    def latest_valid(self) -> tuple[Path, dict[str, Any]] | None:
-        """The newest checkpoint that loads and checks out; damaged newer ones are reported and skipped."""
+    def latest_valid(self, *, older_than: Path | None = None) -> tuple[Path, dict[str, Any]] | None:
+        """The newest checkpoint that loads and checks out; damaged newer ones are reported and skipped.
+
+        ``older_than``: only checkpoints of earlier steps (the one named was found damaged while loading).
+        """
         for path in reversed(self.list()):
+            if older_than is not None and _step(path) >= _step(older_than):
+                continue
             try:
                 return path, self.load(path)
             except KaisokuError as error:
@@ -234,13 +245,15 @@ def _load_sharded(path: Path) -> dict[str, Any]:
             f"{path} is not a kaisoku checkpoint (a folder without {METADATA_FILE} or {TRAINER_FILE})"
         )
     if not (path / METADATA_FILE).is_file():
-        raise KaisokuError(f"checkpoint {path} is incomplete (no {METADATA_FILE})")
+        raise UnreadableCheckpointError(f"checkpoint {path} is incomplete (no {METADATA_FILE})")
     try:
         state = torch.load(path / TRAINER_FILE, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise KaisokuError(f"checkpoint {path} is incomplete (no {TRAINER_FILE})") from None
+        raise UnreadableCheckpointError(f"checkpoint {path} is incomplete (no {TRAINER_FILE})") from None
     except Exception as error:  # torch raises several types for a damaged file
-        raise KaisokuError(f"checkpoint {path} is corrupt or unreadable ({type(error).__name__})") from None
+        raise UnreadableCheckpointError(
+            f"checkpoint {path} is corrupt or unreadable ({type(error).__name__})"
+        ) from None
     missing = [key for key in SHARDED_REQUIRED_KEYS if not isinstance(state, dict) or key not in state]
     if missing:
         raise KaisokuError(f"checkpoint {path} is not a kaisoku checkpoint (missing {', '.join(missing)})")
@@ -248,6 +261,9 @@ def _load_sharded(path: Path) -> dict[str, Any]:
         raise KaisokuError(
             f"checkpoint {path} has format {state['format']}, this kaisoku reads {FORMAT_VERSION}"
         )
+    # Shard files cut short or missing are found here, before any rank starts reading them (a tensor
+    # damaged inside a file is found by the load itself).
+    check_shard_files(path)
     return {**state, "sharded_dir": str(path)}
 
 

@@ -3,8 +3,8 @@
 Both forms hold the same state and resume the same run bit-identically on any layout. A folder
 (``step-XXXXXXXX/``: model and optimizer shards plus ``trainer.pt``) becomes a file (``step-XXXXXXXX.pt``)
 holding whole tensors and the optimizer's own numbered state dict, as a data-parallel run writes it; a file
-becomes a folder of one shard that any shard layout reads. Torch's converters do the shard I/O
-(:mod:`kaisoku.distributed.sharded_checkpoint`); this module moves the optimizer state between its numbered
+(a data-parallel or a pipeline run's) becomes a folder of one shard that any shard layout reads. Torch's
+converters do the shard I/O (:mod:`kaisoku.distributed.sharded_checkpoint`); this module moves the optimizer state between its numbered
 and named forms (parameter names come from the ``param_names`` every kaisoku optimizer group lists) and
 keeps the rest of the trainer's state (data order, RNG, step, scheduler) as it is. DEST appears only when
 complete: a file through temp + fsync + rename, a folder written as ``.DEST.tmp`` and renamed.
@@ -41,7 +41,12 @@ def numbered_optimizer_state(named: dict[str, Any]) -> dict[str, Any]:
 def named_optimizer_state(numbered: dict[str, Any]) -> dict[str, Any]:
     """``Optimizer.state_dict()`` in the form a sharded checkpoint holds it: parameters named, each group
     still listing its ``param_names`` (what the reading optimizer's own groups hold)."""
-    named = named_from_torch_optimizer_state(numbered)
+    return with_param_names(named_from_torch_optimizer_state(numbered))
+
+
+def with_param_names(named: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name with each group listing its ``param_names`` too (what the
+    reading optimizer's own groups hold), as a sharded checkpoint holds it."""
     return {
         "state": named["state"],
         "param_groups": [{**group, "param_names": list(group["params"])} for group in named["param_groups"]],
@@ -67,14 +72,15 @@ def convert_checkpoint(source: Path, destination: Path) -> str:
             f"wrote single-file checkpoint {destination} (step {step}) from the sharded checkpoint {source}"
         )
     if "layout" in state:
-        raise ConfigError(
-            f"{_PROG}: {source} was written under pipeline parallelism; only data-parallel and sharded "
-            "checkpoints convert (resume it with its own parallel settings)"
-        )
-    try:
-        optimizer = named_optimizer_state(state["optimizer"])
-    except KaisokuError as error:
-        raise ConfigError(f"{_PROG}: {source}: {error}") from None
+        # A pipeline run's file names its parameters already (the layout-independent form); the folder
+        # holds no layout: any layout reads it.
+        optimizer = with_param_names(state["optimizer"])
+        state = {key: value for key, value in state.items() if key != "layout"}
+    else:
+        try:
+            optimizer = named_optimizer_state(state["optimizer"])
+        except KaisokuError as error:
+            raise ConfigError(f"{_PROG}: {source}: {error}") from None
     _to_folder(state, optimizer, destination)
     return f"wrote sharded checkpoint {destination} (step {step}) from the single-file checkpoint {source}"
 

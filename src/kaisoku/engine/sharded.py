@@ -2,14 +2,21 @@
 interface the trainer drives.
 
 The model arrives sharded (:func:`kaisoku.distributed.sharding.shard_model`); under bf16 its blocks are
-gathered in bf16 and the step runs under autocast, so the layers kept in float32 stay so, as under DDP. Micro-batches before the step's last keep their gradients local
-and the weights gathered (:func:`~kaisoku.distributed.sharding.set_micro_batch`); the last reduce-scatters.
+gathered in bf16 and the step runs under autocast, so the layers kept in float32 stay so, as under DDP.
+Micro-batches before the step's last keep their gradients local and the weights gathered
+(:func:`~kaisoku.distributed.sharding.set_micro_batch`); the last reduce-scatters.
 Checkpoints hold DTensor shards, written by every rank (:mod:`kaisoku.distributed.sharded_checkpoint`).
+
+The memory techniques of ``memory.*`` (recompute, per-block policies) are applied to the bare model before it
+is sharded, as activation checkpointing goes before ``fully_shard``: a recomputed block's forward runs again
+inside backward, where FSDP2 already gathered its weights. Compression and offload of saved activations
+wrap each forward pass here; the gathered weights are parameters, which they leave as they are.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -21,7 +28,15 @@ from kaisoku.distributed.sharded_checkpoint import load_full_into_sharded, load_
 from kaisoku.distributed.sharding import broadcast_buffers, local_weights_finite, set_micro_batch
 from kaisoku.engine.divergence import NonFiniteGuard
 from kaisoku.engine.step import LossFn, MicroBatches, Precision
-from kaisoku.errors import KaisokuError
+
+
+class ActivationHooks(Protocol):
+    """What packs a forward pass's saved activations (:class:`~kaisoku.memory.compress.ActivationCompressor`,
+    a :mod:`kaisoku.memory.offload` store)."""
+
+    def step(self) -> contextlib.AbstractContextManager[None]:
+        """The saved-tensors hooks of one forward pass."""
+        ...
 
 
 class ShardedStep:
@@ -43,6 +58,7 @@ class ShardedStep:
         loss_fn: LossFn,
         precision: Precision,
         guard: NonFiniteGuard | None = None,
+        activations: ActivationHooks | None = None,
     ) -> None:
         self._model = model
         self._optimizer = optimizer
@@ -50,6 +66,8 @@ class ShardedStep:
         self.loss_fn = loss_fn
         self.precision = precision
         self.guard = guard
+        self.activations = activations
+        """Packs what each forward pass saves for backward (``memory.compress`` / ``offload``), when given."""
 
     @property
     def model(self) -> nn.Module:
@@ -74,7 +92,8 @@ class ShardedStep:
         for k, (inputs, targets) in enumerate(micro_batches):
             if count > 1:
                 set_micro_batch(self._model, last=k == count - 1)
-            with self.precision.autocast():
+            saving = self.activations.step() if self.activations else contextlib.nullcontext()
+            with self.precision.autocast(), saving:
                 loss = self.loss_fn(self._model(inputs), targets) / count
             loss.backward()
             total += loss.detach().float()
@@ -112,12 +131,8 @@ class ShardedStep:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a sharded checkpoint (any shard layout or world size) or a single-file data-parallel one."""
-        if "layout" in state:
-            raise KaisokuError(
-                "a checkpoint written under pipeline parallelism does not load into parallel.shard yet; "
-                "resume it with its own parallel settings"
-            )
+        """Load a sharded checkpoint (any shard layout or world size) or a single-file one: data-parallel, or a
+        pipeline run's (whole tensors, optimizer state keyed by parameter name), sharded or not."""
         if "sharded_dir" in state:
             load_sharded(state["sharded_dir"], self._model, self._optimizer)
         else:

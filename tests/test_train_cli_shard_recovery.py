@@ -1,0 +1,143 @@
+"""End to end on 2 ranks with `kaisoku train --parallel.shard full`: a damaged shard file is named in one line
+(explicit --resume) or skipped for the older checkpoint (--resume auto), and SIGKILL of every rank during a
+sharded save, synchronous or in the background, leaves the previous checkpoint to finish the run from with
+the weights of an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kaisoku.data.datagen import generate
+from kaisoku.distributed.sharded_checkpoint import read_whole
+from tests.train_harness import rank_pid, train_args, train_env, wait_for
+
+SHARD = ("--parallel.shard", "full", "--model.name", "resnet10", "--checkpoint.every-steps", "2")
+STEPS = ("--max-steps", "6")
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("data") / "shapes", count=96, size=20, val_count=16, workers=1)
+
+
+def _train(data: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        train_args(data, run_dir, *SHARD, *STEPS, *extra),
+        capture_output=True, text=True, timeout=300, env=train_env(),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted 6-step run with sharded checkpoints at steps 2, 4 and 6 (copy it before changing it)."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    done = _train(tiny_data, run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names == ["step-00000002", "step-00000004", "step-00000006"]
+    return run_dir
+
+
+def _same(a: object, b: object) -> bool:
+    """Nested checkpoint state equal, tensors bitwise."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _assert_final_equals(run_dir: Path, straight: Path, scratch: Path) -> None:
+    """The step-6 weights and optimizer state of ``run_dir`` bitwise those of the uninterrupted run."""
+    final, expected = (
+        read_whole(run / "checkpoints" / "step-00000006", scratch / f"{name}.whole")
+        for name, run in (("resumed", run_dir), ("straight", straight))
+    )
+    assert _same(expected, final)
+
+
+@pytest.mark.timeout(600)
+def test_damaged_shard_file_is_named_or_skipped(tmp_path: Path, tiny_data: Path, straight: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    checkpoints = run_dir / "checkpoints"
+    shutil.rmtree(checkpoints / "step-00000006")
+    newest = checkpoints / "step-00000004"
+    kept = tmp_path / "kept-step-4"
+    shutil.copytree(newest, kept)
+
+    # A shard file cut short, resumed by name: one line naming the folder and the file and what to do.
+    with open(newest / "__1_0.distcp", "r+b") as handle:
+        handle.truncate(1000)
+    named = _train(tiny_data, run_dir, "--resume", str(newest))
+    assert named.returncode == 1, named.stderr[-3000:]
+    lines = named.stderr.strip().splitlines()
+    assert len(lines) == 2 and "Traceback" not in named.stderr, named.stderr
+    assert lines[0].startswith(
+        f"kaisoku: error: checkpoint {newest} is corrupt or unreadable (its shard file "
+    )
+    assert "__1_0.distcp is cut short: 1000 of " in lines[0] and "--resume auto" in lines[0], lines[0]
+    assert lines[1] == f"kaisoku: full logs in {run_dir / 'logs'}"
+    assert "Traceback" in (run_dir / "logs" / "rank-0.log").read_text()  # the details are in the log
+
+    # A shard file whose first piece no longer loads: found only while the ranks read their shards; --resume
+    # auto says so, falls back to step 2 and finishes the run exactly as the uninterrupted one.
+    shutil.rmtree(newest)
+    shutil.copytree(kept, newest)
+    with open(newest / "__1_0.distcp", "r+b") as handle:
+        handle.write(bytes(64))
+    resumed = _train(tiny_data, run_dir, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {checkpoints / 'step-00000002'} at step 2" in resumed.stdout
+    skipped = (
+        f"kaisoku: skipping checkpoint {newest} is corrupt or unreadable (UnpicklingError reading its shards"
+    )
+    log = (run_dir / "logs" / "rank-0.log").read_text()
+    assert f"{skipped} in __1_0.distcp)" in log, log[-3000:]
+    _assert_final_equals(run_dir, straight, tmp_path)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_kill_every_rank_during_sharded_save_then_resume_auto(
+    tmp_path: Path, tiny_data: Path, straight: Path, background: bool
+) -> None:
+    """The step-4 save pauses with its folder written and not yet renamed (in the background mode, once the next
+    save finds the background write complete); every rank is killed there."""
+    run_dir = tmp_path / "run"
+    checkpoints = run_dir / "checkpoints"
+    extra = ("--checkpoint.async-save", "true") if background else ()
+    entry = Path(__file__).parent / "engine" / "paused_save_entry.py"
+    args = train_args(tiny_data, run_dir, *SHARD, *STEPS, *extra)
+    proc = subprocess.Popen(
+        [sys.executable, str(entry), *args[4:]],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=train_env(PAUSE_AT_STEP="4"),
+    )  # fmt: skip
+    paused = checkpoints / "PAUSED"
+    assert wait_for(paused.exists, 240)
+    assert paused.read_text().endswith(".step-00000004.tmp")
+    pids = [rank_pid(proc.pid, rank) for rank in (0, 1)]
+    assert None not in pids
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)  # type: ignore[arg-type]
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 6 and "died (signal SIGKILL)" in stderr, stderr
+    # Only the previous checkpoint is listed; the step-4 folder never became one.
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name != "PAUSED") == ["step-00000002"]
+
+    resumed = _train(tiny_data, run_dir, "--resume", "auto", *extra)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {checkpoints / 'step-00000002'} at step 2" in resumed.stdout
+    names = sorted(p.name for p in checkpoints.iterdir() if p.name != "PAUSED")
+    assert names == ["step-00000002", "step-00000004", "step-00000006"]
+    _assert_final_equals(run_dir, straight, tmp_path)
