@@ -57,6 +57,34 @@ def shard_units(model: nn.Module) -> list[ShardUnit]:
     return units
 
 
+ROOT_SHARE = 0.02
+"""Largest share of the model's parameters that small units may add to the root unit (see
+:func:`units_of_their_own`)."""
+
+
+def _unit_numel(unit: ShardUnit) -> int:
+    modules = unit if isinstance(unit, list) else [unit]
+    return sum(p.numel() for module in modules for p in module.parameters())
+
+
+def units_of_their_own(units: Sequence[ShardUnit], total: int, share: float = ROOT_SHARE) -> list[ShardUnit]:
+    """The units that get a ``fully_shard`` of their own: all but the smallest, which join the root unit
+    while together they hold at most ``share`` of the ``total`` parameters.
+
+    Every unit costs a collective (and its latency) in forward and again in backward; a patch embedding
+    or a classifier head is often a fraction of a percent of the model. The root stays gathered from
+    forward through backward, so what joins it is held whole for the step: at most ``share`` of the model.
+    """
+    budget = share * total
+    folded: set[int] = set()
+    for index in sorted(range(len(units)), key=lambda i: _unit_numel(units[i])):
+        budget -= _unit_numel(units[index])
+        if budget < 0:
+            break
+        folded.add(index)
+    return [unit for index, unit in enumerate(units) if index not in folded]
+
+
 def mixed_precision(mode: str) -> MixedPrecisionPolicy:
     """The FSDP2 policy of ``precision.mode``: bf16 weights in forward and backward (and bf16 all-gathers)
     with fp32 gradient reduction and fp32 outputs for the loss; fp32 leaves everything in fp32."""
@@ -81,7 +109,8 @@ def shard_model(
 ) -> FSDPModule:
     """Shard ``model`` in place over ``mesh`` (``("dp_replicate", "dp_shard")``), block by block, then the root.
 
-    ``level`` full reshards each block after its forward (gathered again for backward: the least memory);
+    The smallest blocks (a patch embedding, a head) join the root unit rather than paying collectives of
+    their own (:func:`units_of_their_own`). ``level`` full reshards each block after its forward (gathered again for backward: the least memory);
     grad keeps the gathered weights until backward (one gather per block and step, more memory). Under
     bf16 the blocks are gathered in bf16 and the layers kept in float32 (normalization) in float32, each
     layer its own small unit; the step still runs under autocast, as the data-parallel bf16 path does.
@@ -95,7 +124,8 @@ def shard_model(
         # (inner units first; the block's unit then leaves them out).
         for layer in float32_units(model):
             fully_shard(layer, mesh=target, reshard_after_forward=reshard, mp_policy=MixedPrecisionPolicy())
-    for unit in shard_units(model):
+    total = sum(p.numel() for p in model.parameters())
+    for unit in units_of_their_own(shard_units(model), total):
         # A unit of modules that are all float32 units already (a ResNet stem's conv and norm) has none left.
         if isinstance(unit, list):
             unit = [module for module in unit if not isinstance(module, FSDPModule)]
