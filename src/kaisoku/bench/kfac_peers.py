@@ -25,8 +25,9 @@ from kaisoku.models.zoo import SmallCNN
 #: ASDL has no KL clipping; with the damping K-FAC uses here (3e-3) its updates diverge within a few steps
 #: on this model, 0.3 trains.
 ASDL_DAMPING = 0.3
-#: Wall-clock limit of the ASDL run (training and evaluation).
-ASDL_TIME_LIMIT_S = 240.0
+#: Wall-clock limit of the ASDL run (training and evaluation): it reached the target in about 35 s when
+#: last recorded; the limit keeps the whole benchmark within its 15 minutes.
+ASDL_TIME_LIMIT_S = 60.0
 
 
 def asdl_row(
