@@ -4,6 +4,7 @@ method trains with, and a run through the engine ``kaisoku train`` builds."""
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,11 @@ from kaisoku.bench.kfac import case_rows, seed_figures, time_goal
 from kaisoku.bench.kfac_runs import (
     FAILED_SCORE,
     FULL_PLAN,
+    METHODS,
     QUICK_PLAN,
     RESNET_PLAN,
     method_config,
+    procedure,
     race_score,
     unreached_score,
 )
@@ -241,3 +244,49 @@ def test_engine_run_trains_validates_and_splits_its_time(tmp_path: Path, mnist_p
     model = run.trainer.engine.model
     assert isinstance(model, SmallCNN) and model.features[0][0].out_channels == 4  # the zoo's, at width 4
     run.close()
+
+
+@pytest.mark.timeout(600)
+def test_the_tuned_procedure_runs_end_to_end_on_one_rank(tmp_path: Path, mnist_path: Path) -> None:
+    # The full benchmark's path (grids over step size and horizon, then the interleaved races) at a tiny
+    # size: --quick runs one setting per method and never tunes.
+    torch.set_num_threads(1)
+    plan = replace(
+        QUICK_PLAN,
+        lr_grid=(0.1, 0.2),
+        kfac_grid=(1e-3, 3e-3),
+        horizons=(1.0, 2.0),
+        max_epochs=2,
+        eval_every=2,
+        repeats=1,
+        target=0.3,
+        global_batch=128,
+        train_limit=512,
+        eval_limit=256,
+        warmup_steps=1,
+        world_size=1,
+    )
+    assert plan.tuned
+    record = procedure(0, 1, tmp_path, asdict(plan), str(mnist_path))
+    assert record["complete"] and set(record["best"]) == set(METHODS)
+    for method in METHODS:
+        points = [p for p in record["grid"] if p["method"] == method]
+        # Both step sizes at the middle horizon (2 epochs), then the other horizon at the best one.
+        assert len(points) == 3 and {p["horizon"] for p in points} == {1.0, 2.0}
+        best = record["best"][method]
+        assert (best["setting"], best["horizon"]) in {(p["setting"], p["horizon"]) for p in points}
+        assert best["inside"] == {"setting": False, "horizon": False}  # two points: never inside
+        for point in points:
+            reached = point["epochs_to_target"] is not None
+            assert point["score"] == (-point["epochs_to_target"] if reached else point["score"])
+            assert reached or point["score"] <= unreached_score(plan.max_epochs)
+    runs = record["runs"]
+    assert [r["method"] for r in runs] == list(METHODS) and all(r["order"] == list(METHODS) for r in runs)
+    for run in runs:
+        assert run["curve"] and run["curve"][-1]["step"] <= 8  # never past the 2-epoch cap
+        stop = run["reached"] is not None or run["curve"][-1]["step"] == 8 or run["diverged"]
+        assert stop and run["step_split_ms"]["forward_backward"] > 0
+    rows = case_rows(record, plan)
+    assert [row["method"] for row in rows] == ["sgd", "lars", "kfac"]
+    entry = time_goal("kfac_time_to_target_vs_sgd", rows, plan, ["sgd"])
+    assert entry["met"] is False and "not tuned" in entry["reason"]  # the two-point grids end on edges

@@ -2,7 +2,7 @@
 
 Every run is a :class:`~kaisoku.config.Config` trained by :func:`~kaisoku.engine.build.build_trainer` (the
 engine ``kaisoku train`` runs), driven in chunks by :class:`~kaisoku.bench.training.EngineRun` and
-validated between chunks. The procedure (:func:`_worker`, the same for every case and every method):
+validated between chunks. The procedure (:func:`procedure`, the same for every case and every method):
 
 1. The target is the plan's stated accuracy (:attr:`Plan.target`), fixed before any run.
 2. Each method tunes its step size (SGD and LARS: the learning rate; K-FAC: kl_clip) and its cosine's
@@ -422,9 +422,15 @@ def race(
     return [run.result() for run in runs]
 
 
-def _worker(
+def procedure(
     rank: int, world_size: int, out: Path, plan_dict: dict[str, Any], data_path: str
 ) -> dict[str, Any]:
+    """The benchmark on one rank (every rank runs it): tune every method, then race them per seed.
+
+    ``plan_dict``: the :class:`Plan` as a dict; ``data_path``: the ``.npz`` of the splits; ``out``: the
+    runs' folder. Returns ``{"complete", "grid", "best", "runs"}``; rank 0 saves what is done after every
+    method's tuning and every seed's race (``rank0.partial.pt``), for a time limit that stops the ranks.
+    """
     fields = ("lr_grid", "kfac_grid", "horizons")
     plan = Plan(**{**plan_dict, **{key: tuple(plan_dict[key]) for key in fields}})
     world = World(rank=rank, world_size=world_size, local_world_size=world_size)
@@ -458,7 +464,7 @@ def run_on_ranks(plan: Plan, data_path: Path, timeout_s: float) -> dict[str, Any
     with tempfile.TemporaryDirectory(prefix="kaisoku-kfac-") as tmp:
         try:
             return run_ranks(
-                _worker,
+                procedure,
                 plan.world_size,
                 Path(tmp),
                 asdict(plan),
