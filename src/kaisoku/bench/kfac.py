@@ -225,7 +225,11 @@ def _unfair_reason(case_rows: list[dict[str, Any]], methods: list[str], plan: Pl
 
 def _measured(ratios: list[float]) -> dict[str, Any]:
     """The measured-wall-time ratio beside a goal: median, per-seed samples and their interval."""
-    entry: dict[str, Any] = {"value": _median(ratios), "samples": [round(x, 4) for x in ratios]}
+    value = _median(ratios)
+    entry: dict[str, Any] = {
+        "value": None if value is None else round(value, 4),
+        "samples": [round(x, 4) for x in ratios],
+    }
     if len(ratios) >= 2:
         interval = bootstrap_interval(ratios, unit="seeds")
         entry |= {"interval": [round(interval.low, 4), round(interval.high, 4)], "method": interval.method}
