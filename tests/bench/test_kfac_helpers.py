@@ -22,6 +22,7 @@ from kaisoku.bench.kfac_runs import (
     procedure,
     race_score,
     unreached_score,
+    vouched_inside,
 )
 from kaisoku.bench.largebatch import RECIPE, ablations, methods
 from kaisoku.bench.training import (
@@ -159,6 +160,19 @@ def test_race_score_ranks_reached_runs_by_epochs_then_the_rest_by_their_gap() ->
     assert scores[0] == -1.5 and scores[-1] == FAILED_SCORE
     # Never reached within the cap: below any run that reached it, and failed for the fall-off.
     assert scores[1] > unreached_score(4.0) >= scores[2]
+
+
+def test_a_tuned_best_that_never_reached_the_target_is_not_inside() -> None:
+    details = {
+        (0.2, 2.83): {"epochs_to_target": None},  # the step size's pass: nobody reached it at 2.83
+        (0.2, 4.0): {"epochs_to_target": 3.1},
+        (0.2, 2.0): {"epochs_to_target": None},
+    }
+    verdict = vouched_inside((True, True), details, 0.2, 4.0, 2.83)
+    assert verdict == {"setting": False, "horizon": True}
+    details[(0.2, 2.83)] = {"epochs_to_target": 2.5}
+    assert vouched_inside((True, True), details, 0.2, 4.0, 2.83) == {"setting": True, "horizon": True}
+    assert vouched_inside((True, False), details, 0.2, 4.0, 2.83)["horizon"] is False
 
 
 def _race_run(

@@ -347,6 +347,23 @@ def unreached_score(cap_epochs: float) -> float:
     return -cap_epochs - 1.0
 
 
+def vouched_inside(
+    inside: tuple[bool, bool],
+    details: dict[tuple[float, float], dict[str, Any]],
+    setting: float,
+    horizon: float,
+    middle: float,
+) -> dict[str, bool]:
+    """Whether the tuned step size and horizon are inside their grids: :func:`tune_pair`'s verdict, and the
+    best of each pass reached the target (the step size's pass ran at the ``middle`` horizon). A best that
+    never reached it won no race: its neighbours' failing to reach it too vouches for nothing."""
+    reached = {
+        key: details[(setting, h)]["epochs_to_target"] is not None
+        for key, h in (("setting", middle), ("horizon", horizon))
+    }
+    return {"setting": inside[0] and reached["setting"], "horizon": inside[1] and reached["horizon"]}
+
+
 def tune_method(
     method: str, plan: Plan, data: dict[str, TensorDataset], world: World, work: Path
 ) -> dict[str, Any]:
@@ -375,12 +392,10 @@ def tune_method(
     (setting, horizon), points, inside = tune_pair(
         settings, plan.horizons, score, plan.extend_limit, failed_score=unreached_score(plan.max_epochs)
     )
-    # A best that never reached the target was not found by the race: no side's fall-off can vouch for it.
-    reached = details[(setting, horizon)]["epochs_to_target"] is not None
     return {
         "setting": setting,
         "horizon": horizon,
-        "inside": {"setting": inside[0] and reached, "horizon": inside[1] and reached},
+        "inside": vouched_inside(inside, details, setting, horizon, plan.horizons[len(plan.horizons) // 2]),
         "points": [
             {"method": method, "setting": p["first"], "horizon": p["second"], "score": p["score"]}
             | details[(p["first"], p["second"])]
