@@ -91,15 +91,16 @@ class Plan:
 
 FULL_PLAN = Plan(
     lr_grid=(0.1, 0.2, 0.4),
-    # 2, 2.83 and 4 epochs (extended down to 1.41, up to 5.66, cut at the cap): SGD's 4-epoch cosine
-    # reached 96.6% near 2.7 epochs in an earlier record, its 2-epoch one ended near 93.5% (x_val).
+    # 2, 2.83 and 4 epochs (extended down to 1.41, up to 5.66, cut at the cap): at lr 0.2 and seed 0,
+    # SGD's 2-epoch cosine ended near 93.5% on x_val, its 2.83-epoch one near 95.7%.
     horizons=_log_grid(2 * 2**0.5, 2**0.5),
     max_epochs=4,
     eval_every=6,
     repeats=3,
-    # Stated before any run: every method's final test accuracy was 96.7-97.3% after 4 epochs in earlier
-    # records (none of them is the reference), so a tuned schedule of each can reach it within the cap.
-    target=0.96,
+    # Stated before any run, a round figure every method can reach within the middle horizon: in every
+    # seed of an earlier record each method's test accuracy passed 95% within 2.75 epochs (SGD's and
+    # LARS's 4-epoch cosines plateaued near 97%, so a target nearer the plateau would time its noise).
+    target=0.95,
     # Half of x_val: an evaluation costs about 1.7 training steps, and the grids evaluate every 6.
     val_limit=5000,
     kfac_options={
