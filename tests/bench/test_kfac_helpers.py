@@ -3,12 +3,27 @@ method trains with, and a run through the engine ``kaisoku train`` builds."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from kaisoku.bench.kfac import FULL_PLAN, method_config
+from kaisoku.bench.kfac import case_rows, seed_figures, time_goal
+from kaisoku.bench.kfac_runs import (
+    FAILED_SCORE,
+    FULL_PLAN,
+    METHODS,
+    QUICK_PLAN,
+    RESNET_PLAN,
+    method_config,
+    procedure,
+    race_score,
+    unreached_score,
+    vouched_inside,
+)
 from kaisoku.bench.largebatch import RECIPE, ablations, methods
 from kaisoku.bench.training import (
     EngineRun,
@@ -17,6 +32,7 @@ from kaisoku.bench.training import (
     first_crossing,
     npz_splits,
     tune,
+    tune_pair,
 )
 from kaisoku.distributed.env import World
 from kaisoku.models.zoo import SmallCNN
@@ -80,10 +96,10 @@ def test_crossing_is_interpolated_between_evaluations() -> None:
 
 def test_kfac_methods_are_engine_configs(tmp_path: Path) -> None:
     common = {"seed": 1, "train_samples": 50000, "run_dir": tmp_path}
-    kfac = method_config("kfac", 3e-3, FULL_PLAN, **common)
+    kfac = method_config("kfac", 3e-3, 2.0, FULL_PLAN, **common)
     assert kfac.optim.kfac.enabled and kfac.optim.name == "sgd" and kfac.optim.lr == FULL_PLAN.kfac_lr
     assert kfac.optim.kfac.kl_clip == 3e-3 and kfac.optim.kfac.stat_fraction == 0.25
-    lars = method_config("lars", 0.4, FULL_PLAN, **common)
+    lars = method_config("lars", 0.4, 2.83, FULL_PLAN, **common)
     assert (lars.optim.name, lars.optim.lr, lars.optim.eta, lars.optim.trust_clip) == (
         "lars",
         0.4,
@@ -91,10 +107,124 @@ def test_kfac_methods_are_engine_configs(tmp_path: Path) -> None:
         True,
     )
     assert not lars.optim.kfac.enabled
-    # Every method: 4 warmup steps (of 24 a 2,048-sample epoch has) then cosine over the 4-epoch cap.
-    for cfg in (kfac, lars):
+    # Every method: 4 warmup steps (of 24 a 2,048-sample epoch has), cosine over its tuned horizon, and
+    # the same 4-epoch cap (96 steps) on every run, even where the horizon is longer.
+    for cfg, horizon in ((kfac, 2.0), (lars, 2.83)):
         assert cfg.sched.name == "cosine" and cfg.sched.warmup_epochs * 24 == pytest.approx(4)
-        assert cfg.train.epochs == 4 and cfg.train.seed == 1
+        assert cfg.train.epochs == horizon and cfg.train.max_steps == 96 and cfg.train.seed == 1
+
+
+def test_every_method_gets_the_same_tuning_budget_and_a_stated_target() -> None:
+    for plan in (FULL_PLAN, RESNET_PLAN):
+        # The same number of step-size points for every method, one horizon grid for all, log-spaced.
+        assert len(plan.kfac_grid) == len(plan.lr_grid) == len(plan.horizons) == 3
+        assert plan.horizons[1] / plan.horizons[0] == pytest.approx(plan.horizons[2] / plan.horizons[1])
+        assert plan.tuned and plan.extend_limit >= 2 and 0.0 < plan.target < 1.0
+        # The middle horizon runs whole within the cap; the top one and its extensions end by the cap.
+        assert plan.horizons[1] < plan.max_epochs <= plan.horizons[-1] * 2
+    assert not QUICK_PLAN.tuned and QUICK_PLAN.repeats == 1
+
+
+def test_tune_pair_tunes_the_step_size_then_the_horizon_scoring_each_pair_once() -> None:
+    calls: list[tuple[float, float]] = []
+
+    def score(lr: float, horizon: float) -> float:  # best at lr 0.2, horizon 2
+        calls.append((lr, horizon))
+        return -abs(math.log2(lr / 0.2)) - abs(math.log2(horizon / 2.0))
+
+    (lr, horizon), points, inside = tune_pair((0.1, 0.2, 0.4), (1.0, 2.0, 4.0), score, extend_limit=2)
+    assert (lr, horizon) == (pytest.approx(0.2), pytest.approx(2.0)) and inside == (True, True)
+    assert len(calls) == len(set(calls)) == len(points)  # (0.2, 2.0) is shared by both passes
+    # The step size at the middle horizon (5 points), then the horizon at lr 0.2 (4 more).
+    assert {h for lr_, h in calls if lr_ != 0.2} == {2.0} and len(calls) == 9
+    assert [p["score"] for p in points] == [score(p["first"], p["second"]) for p in points]
+    # An optimum beyond the horizons' reach is reported on an edge, never inside.
+    edge = tune_pair((0.1, 0.2, 0.4), (1.0, 2.0, 4.0), lambda a, b: b - abs(a - 0.2), extend_limit=1)
+    assert edge[0][1] == 8.0 and edge[2][1] is False
+
+
+def _result(reached_epochs: float | None, best: float, diverged: bool = False) -> dict[str, Any]:
+    reached = {"epochs": reached_epochs} if reached_epochs is not None else None
+    return {"reached": reached, "best_acc": best, "diverged": diverged}
+
+
+def test_race_score_ranks_reached_runs_by_epochs_then_the_rest_by_their_gap() -> None:
+    scores = [
+        race_score(_result(1.5, 0.97), 0.96, 4.0),
+        race_score(_result(2.5, 0.97), 0.96, 4.0),
+        race_score(_result(None, 0.96), 0.96, 4.0),
+        race_score(_result(None, 0.90), 0.96, 4.0),
+        race_score(_result(None, 0.5, diverged=True), 0.96, 4.0),
+    ]
+    assert scores == sorted(scores, reverse=True) and len(set(scores)) == 5
+    assert scores[0] == -1.5 and scores[-1] == FAILED_SCORE
+    # Never reached within the cap: below any run that reached it, and failed for the fall-off.
+    assert scores[1] > unreached_score(4.0) >= scores[2]
+
+
+def test_a_tuned_best_that_never_reached_the_target_is_not_inside() -> None:
+    details = {
+        (0.2, 2.83): {"epochs_to_target": None},  # the step size's pass: nobody reached it at 2.83
+        (0.2, 4.0): {"epochs_to_target": 3.1},
+        (0.2, 2.0): {"epochs_to_target": None},
+    }
+    verdict = vouched_inside((True, True), details, 0.2, 4.0, 2.83)
+    assert verdict == {"setting": False, "horizon": True}
+    details[(0.2, 2.83)] = {"epochs_to_target": 2.5}
+    assert vouched_inside((True, True), details, 0.2, 4.0, 2.83) == {"setting": True, "horizon": True}
+    assert vouched_inside((True, False), details, 0.2, 4.0, 2.83)["horizon"] is False
+
+
+def _race_run(
+    method: str, repeat: int, step: float | None, wall: float, fb: float, own: float
+) -> dict[str, Any]:
+    split = {"forward_backward": fb, "optimizer": own}
+    reached = {"step": step, "epochs": step / 24, "wall_s": wall, "acc": 0.96} if step else None
+    return {
+        "method": method,
+        "repeat": repeat,
+        "reached": reached,
+        "step_split_ms": split,
+        "diverged": False,
+        "final_acc": 0.97,
+    }
+
+
+def _record(lars_reaches: bool = True) -> dict[str, Any]:
+    runs = []
+    for repeat in range(3):
+        # K-FAC's forward/backward measured faster under a lighter load: the common pass removes that.
+        runs.append(_race_run("sgd", repeat, 60.0, 21.0, 350.0, 1.0))
+        runs.append(_race_run("lars", repeat, 70.0 if lars_reaches else None, 25.0, 360.0, 2.0))
+        runs.append(_race_run("kfac", repeat, 30.0, 11.0, 300.0, 80.0))
+    inside = {"setting": True, "horizon": True}
+    best = {m: {"setting": 0.2, "horizon": 2.0, "inside": inside} for m in ("sgd", "lars", "kfac")}
+    return {"runs": runs, "best": best}
+
+
+def test_time_to_target_takes_the_common_forward_backward_plus_each_methods_own_cost() -> None:
+    figures = seed_figures(_record()["runs"])
+    # Common pass: the median of 350, 360 and 300 ms; each method adds its own ms per step.
+    assert figures["kfac"]["0"]["time_s"] == pytest.approx(30 * (350 + 80) / 1000)
+    assert figures["sgd"]["0"]["time_s"] == pytest.approx(60 * (350 + 1) / 1000)
+    rows = case_rows(_record(), FULL_PLAN)
+    entry = time_goal("kfac_time_to_target_vs_best_mnist", rows, FULL_PLAN, ["sgd", "lars"])
+    assert entry["best_peer"] == "sgd" and entry["value"] == pytest.approx(30 * 430 / (60 * 351), abs=1e-4)
+    assert entry["met"] is True and "reason" not in entry  # every seed's ratio clears 0.75
+    # The measured wall times of the interleaved runs are recorded beside it.
+    assert entry["measured_wall_ratio"]["value"] == pytest.approx(11 / 21, abs=1e-4)
+
+
+def test_a_method_that_never_reaches_the_target_leaves_the_goal_unmet_with_its_name() -> None:
+    rows = case_rows(_record(lars_reaches=False), FULL_PLAN)
+    lars = next(row for row in rows if row["method"] == "lars")
+    assert lars["reached_target"] is False and lars["unreached_seeds"] == [0, 1, 2]
+    assert lars["time_s_to_target"] is None  # kept as a row, not dropped
+    entry = time_goal("kfac_time_to_target_vs_best_mnist", rows, FULL_PLAN, ["sgd", "lars"])
+    assert entry["met"] is False and "lars did not reach the target 95.0%" in entry["reason"]
+    assert entry["value"] is not None  # K-FAC against SGD, the peer that reached it, still shown
+    # Against SGD alone nothing is missing.
+    assert "lars" not in time_goal("kfac_time_to_target_vs_sgd", rows, FULL_PLAN, ["sgd"]).get("reason", "")
 
 
 def test_largebatch_compares_the_preset_recipe_with_one_change_per_ablation() -> None:
@@ -128,3 +258,49 @@ def test_engine_run_trains_validates_and_splits_its_time(tmp_path: Path, mnist_p
     model = run.trainer.engine.model
     assert isinstance(model, SmallCNN) and model.features[0][0].out_channels == 4  # the zoo's, at width 4
     run.close()
+
+
+@pytest.mark.timeout(600)
+def test_the_tuned_procedure_runs_end_to_end_on_one_rank(tmp_path: Path, mnist_path: Path) -> None:
+    # The full benchmark's path (grids over step size and horizon, then the interleaved races) at a tiny
+    # size: --quick runs one setting per method and never tunes.
+    torch.set_num_threads(1)
+    plan = replace(
+        QUICK_PLAN,
+        lr_grid=(0.1, 0.2),
+        kfac_grid=(1e-3, 3e-3),
+        horizons=(1.0, 2.0),
+        max_epochs=2,
+        eval_every=2,
+        repeats=1,
+        target=0.3,
+        global_batch=128,
+        train_limit=512,
+        eval_limit=256,
+        warmup_steps=1,
+        world_size=1,
+    )
+    assert plan.tuned
+    record = procedure(0, 1, tmp_path, asdict(plan), str(mnist_path))
+    assert record["complete"] and set(record["best"]) == set(METHODS)
+    for method in METHODS:
+        points = [p for p in record["grid"] if p["method"] == method]
+        # Both step sizes at the middle horizon (2 epochs), then the other horizon at the best one.
+        assert len(points) == 3 and {p["horizon"] for p in points} == {1.0, 2.0}
+        best = record["best"][method]
+        assert (best["setting"], best["horizon"]) in {(p["setting"], p["horizon"]) for p in points}
+        assert best["inside"] == {"setting": False, "horizon": False}  # two points: never inside
+        for point in points:
+            reached = point["epochs_to_target"] is not None
+            assert point["score"] == (-point["epochs_to_target"] if reached else point["score"])
+            assert reached or point["score"] <= unreached_score(plan.max_epochs)
+    runs = record["runs"]
+    assert [r["method"] for r in runs] == list(METHODS) and all(r["order"] == list(METHODS) for r in runs)
+    for run in runs:
+        assert run["curve"] and run["curve"][-1]["step"] <= 8  # never past the 2-epoch cap
+        stop = run["reached"] is not None or run["curve"][-1]["step"] == 8 or run["diverged"]
+        assert stop and run["step_split_ms"]["forward_backward"] > 0
+    rows = case_rows(record, plan)
+    assert [row["method"] for row in rows] == ["sgd", "lars", "kfac"]
+    entry = time_goal("kfac_time_to_target_vs_sgd", rows, plan, ["sgd"])
+    assert entry["met"] is False and "not tuned" in entry["reason"]  # the two-point grids end on edges

@@ -25,8 +25,9 @@ from kaisoku.models.zoo import SmallCNN
 #: ASDL has no KL clipping; with the damping K-FAC uses here (3e-3) its updates diverge within a few steps
 #: on this model, 0.3 trains.
 ASDL_DAMPING = 0.3
-#: Wall-clock limit of the ASDL run (training and evaluation).
-ASDL_TIME_LIMIT_S = 240.0
+#: Wall-clock limit of the ASDL run (training and evaluation): it reached the target in about 35 s when
+#: last recorded; the limit keeps the whole benchmark within its 15 minutes.
+ASDL_TIME_LIMIT_S = 60.0
 
 
 def asdl_row(
@@ -110,7 +111,7 @@ def _asdl_run(
 
 
 def plot_curves(runs: list[dict[str, Any]], path: Path) -> None:
-    """Test accuracy against training wall time, every run; the median target as a dashed line."""
+    """Test accuracy against training wall time (measured, interleaved), every race; the target dashed."""
     targets = [run["target"] for run in runs if "target" in run]
     target = float(np.median(targets)) if targets else 0.0
     import matplotlib
@@ -126,7 +127,12 @@ def plot_curves(runs: list[dict[str, Any]], path: Path) -> None:
         for run in runs:
             if not run["curve"]:
                 continue
-            label = None if run["method"] in seen else f"{run['method']} (lr {run['lr']:g})"
+            knob = "kl_clip" if run["method"] == "kfac" else "lr"
+            label = (
+                None
+                if run["method"] in seen
+                else f"{run['method']} ({knob} {run['lr']:g}, cosine over {run['horizon']:.3g} epochs)"
+            )
             seen.add(run["method"])
             ax.plot(
                 [p["wall_s"] for p in run["curve"]],

@@ -4,13 +4,15 @@ Each run is a :class:`~kaisoku.config.Config` built by :func:`~kaisoku.engine.bu
 benchmark's in-memory tensors as the user's dataset (:class:`~kaisoku.parts.UserParts`, the path of
 :func:`kaisoku.fit`): the engine's data order, DDP, optimizer, schedule, K-FAC and step. :class:`EngineRun`
 drives the trainer in chunks and validates between them with the trainer's own validation, so that time to a
-target counts training steps only; :func:`tune` is the grid search both benchmarks share.
+target counts training steps only; :func:`tune` is the grid search both benchmarks share, :func:`tune_pair` the
+search over two settings built on it.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -239,6 +241,35 @@ def tune(
     best, lower, higher = sides()
     inside = _side_settled(scores, lower, failed_score) and _side_settled(scores, higher, failed_score)
     return best, [{"setting": v, "val_acc": scores[v]} for v in sorted(scores)], inside
+
+
+def tune_pair(
+    first: tuple[float, ...],
+    second: tuple[float, ...],
+    score: Callable[[float, float], float],
+    extend_limit: int,
+    *,
+    failed_score: float | None = None,
+) -> tuple[tuple[float, float], list[dict[str, float]], tuple[bool, bool]]:
+    """The best pair of two settings by ``score(a, b)`` (higher is better), one coordinate pass of
+    :func:`tune`: ``a`` over ``first`` at the middle point of ``second``, then ``b`` over ``second`` at that
+    best ``a``; each grid extended by :func:`tune`'s rule, up to ``extend_limit`` points each.
+
+    Every pair is scored once (the middle point of ``second`` is shared by both passes). Returns the best
+    pair, every pair tried (``{"first", "second", "score"}``, sorted) and whether each best is inside.
+    """
+    scores: dict[tuple[float, float], float] = {}
+
+    def scored(a: float, b: float) -> float:
+        if (a, b) not in scores:
+            scores[(a, b)] = score(a, b)
+        return scores[(a, b)]
+
+    middle = second[len(second) // 2]
+    best_a, _, inside_a = tune(first, lambda a: scored(a, middle), extend_limit, failed_score=failed_score)
+    best_b, _, inside_b = tune(second, lambda b: scored(best_a, b), extend_limit, failed_score=failed_score)
+    points = [{"first": a, "second": b, "score": value} for (a, b), value in sorted(scores.items())]
+    return (best_a, best_b), points, (inside_a, inside_b)
 
 
 def learned(accuracy: float) -> bool:
