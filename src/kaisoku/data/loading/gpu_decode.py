@@ -30,6 +30,7 @@ import simplejpeg
 import torch
 
 from kaisoku.data.loading.batch_augment import keyed_crops
+from kaisoku.data.loading.batches import Key
 from kaisoku.data.loading.transforms import _JPEG_MAGIC, AugmentSpec, decode_image
 from kaisoku.errors import KaisokuError
 
@@ -46,8 +47,6 @@ DEVICE_PIXEL_TOLERANCE = (2, 0.25)
 0.12-0.15 over batches of 16, 24, 64 and 160 px crops of JPEGs at 1x and 3x the output size. nvJPEG's
 IDCT and chroma upsampling differ from libjpeg-turbo's by a few levels at edges; its difference is
 recorded by ``kaisoku bench loader`` on a CUDA machine, not checked here."""
-
-Key = tuple[int, int]
 
 
 @functools.cache
