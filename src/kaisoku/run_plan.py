@@ -320,6 +320,14 @@ def _data_settings(
         raise ConfigError(
             f"data.shuffle {d.shuffle}, data.local_cache and data.ram_capacity need a packed dataset; {where}"
         )
+    if d.decode == "gpu" and (data.source != "packed" or data.task != "classification"):
+        what = data.description or "this dataset"
+        raise ConfigError(
+            f"data.decode gpu decodes packed JPEG images, but {what}; pack the images with kaisoku pack, "
+            "or use data.decode cpu"
+        )
+    if d.decode == "gpu" and d.crop_decode:
+        raise ConfigError("data.crop_decode is a host decoder's option; with data.decode gpu set it to false")
     if data.source in ("folder", "generated-shapes", "user"):
         shuffle = ShuffleSpec(
             unpacked=True

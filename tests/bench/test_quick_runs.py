@@ -20,7 +20,12 @@ GOALS: dict[str, set[str]] = {
         for what in ("best_peer", "limit", "imagefolder_simplejpeg")
         for size in ("64px", "96px")
     }
-    | {"index_open_s_10M", "index_private_bytes_per_record", "kaisoku_batch_vs_per_sample_64px-rrc"},
+    | {
+        "index_open_s_10M",
+        "index_private_bytes_per_record",
+        "kaisoku_batch_vs_per_sample_64px-rrc",
+        "gpu_decode_vs_host_64px-rrc",
+    },
     "slowfs": {
         "kaisoku_global_io_vs_8readers_1G_2msRTT_64px",
         "kaisoku_block_io_vs_8readers_1G_2msRTT_64px",

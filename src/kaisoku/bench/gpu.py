@@ -75,7 +75,12 @@ GPU_ROWS: tuple[GpuRow, ...] = (
         missing="no benchmark measures it yet (kaisoku bench engine runs resnet10 on CPU ranks)",
     ),
     GpuRow("sharded", "the sharded (FSDP) rows", missing="no benchmark has sharded rows yet"),
-    GpuRow("gpu-decode", "the GPU-decode rows", missing="no benchmark has GPU-decode rows yet"),
+    GpuRow(
+        "gpu-decode",
+        "data.decode gpu against the host path on the same node: samples/s, host CPU per sample, pixel difference",
+        missing="kaisoku bench loader records it (gpu_decode_vs_host_*) on a CUDA machine, but its whole run "
+        "(peers, 20k-image sets) does not fit this run's limit; it needs a loader case of the GPU rows alone",
+    ),
     GpuRow(
         "compile",
         "--compile auto against eager on the GPU (small-cnn, resnet10)",

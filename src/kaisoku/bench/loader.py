@@ -40,9 +40,15 @@ from kaisoku.bench.imagesets import (
     production_loader,
 )
 from kaisoku.bench.loader_index import index_part
+from kaisoku.config import Config
 from kaisoku.data.loading.batch_augment import decode_batch_into, resizer
-from kaisoku.data.loading.dataset import ImageLabelTransform
+from kaisoku.data.loading.dataset import ImageLabelTransform, ShardedDataset
+from kaisoku.data.loading.gpu_decode import decode_on_device, encode_batch
+from kaisoku.data.loading.loader import ShardLoader
 from kaisoku.data.loading.transforms import AugmentSpec, augment, augment_into, crop_decode_into, decode_image
+from kaisoku.distributed.env import World
+from kaisoku.engine.data_build import shard_loader
+from kaisoku.run_facts import plan_run
 
 NAME = "loader"
 
@@ -159,7 +165,7 @@ def part_a(row_sets: Sequence[RowSet], peer_dir: Path, *, warm_up: bool = True) 
 
         def over(row: str, other: str | None, rounds: dict[str, list[float]] = rounds) -> list[float] | None:
             """``row``'s samples/s over ``other``'s, round by round (interleaved: paired), first epoch off."""
-            return paired_ratios(rounds[row], rounds[other]) if other in rounds else None
+            return paired_ratios(rounds[row], rounds[other]) if row in rounds and other in rounds else None
 
         peers = {n: v for n, v in steady.items() if n in loader_peers.PEERS}
         best = max(peers, key=peers.__getitem__) if peers else None
@@ -222,6 +228,19 @@ def part_a(row_sets: Sequence[RowSet], peer_dir: Path, *, warm_up: bool = True) 
             summary[f"kaisoku_vs_limit_{name}"] = goal(
                 kaisoku / steady["limit"], ">= 0.9", samples=over("kaisoku", "limit"), unit="rounds"
             )
+        gpu_row = next((r for r in set_rows if r["row"] == "kaisoku-gpu-decode"), None)
+        host_row = next(r for r in set_rows if r["row"] == "kaisoku")
+        summary[f"gpu_decode_vs_host_{name}"] = goal(
+            steady["kaisoku-gpu-decode"] / kaisoku if "kaisoku-gpu-decode" in steady else None,
+            ">= 1.0",
+            samples=over("kaisoku-gpu-decode", "kaisoku"),
+            unit="rounds",
+            reason="" if gpu_row is not None and "skipped" not in gpu_row else "no CUDA device",
+            host_cpu_us_per_sample=(gpu_row or {}).get("cpu_us_per_sample"),
+            host_path_cpu_us_per_sample=host_row.get("cpu_us_per_sample"),
+            pixel_max_abs_diff=(gpu_row or {}).get("pixel_max_abs_diff_vs_host"),
+            pixel_mean_abs_diff=(gpu_row or {}).get("pixel_mean_abs_diff_vs_host"),
+        )
         simplejpeg_peer = steady.get("imagefolder-simplejpeg")
         summary[f"kaisoku_vs_imagefolder_simplejpeg_{name}"] = goal(
             kaisoku / simplejpeg_peer if simplejpeg_peer else None,
@@ -286,6 +305,43 @@ def batch_pixel_diff(
     return int(diff.max()), float(diff.mean())
 
 
+def gpu_pixel_diff(
+    image_set: ImageSet, transform: ImageLabelTransform, count: int = 256
+) -> tuple[int, float]:
+    """Largest and mean absolute pixel difference of decoding on the CUDA device (one batch of ``count``
+    samples) against the host batch path, same keys (so the same crop boxes and flips)."""
+    blobs = [loader_peers.read_bytes(path) for path, _ in image_set.shuffled_files()[:count]]
+    spec, indices = transform.spec, np.arange(len(blobs))
+    host = np.empty((len(blobs), 3, spec.size, spec.size), dtype=np.uint8)
+    decode_batch_into(blobs, spec, seed=transform.seed, epoch=1, indices=indices, out=host)
+    encoded = encode_batch(blobs, spec, seed=transform.seed, epoch=1, indices=indices)
+    device = decode_on_device(encoded, torch.device("cuda")).cpu().numpy()
+    diff = np.abs(device.astype(np.int16) - host.astype(np.int16))
+    return int(diff.max()), float(diff.mean())
+
+
+def gpu_decode_loader(pack_dir: Path, transform: ImageLabelTransform) -> ShardLoader:
+    """The :class:`ShardLoader` ``kaisoku train --data.decode gpu`` builds on a CUDA device (as
+    :func:`~kaisoku.bench.imagesets.production_loader` for the host path)."""
+    cfg = Config()
+    cfg.data.path = str(pack_dir)
+    cfg.data.global_batch = BATCH
+    cfg.data.workers = WORKERS
+    cfg.data.decode = "gpu"
+    cfg.train.seed = SEED
+    cfg.train.epochs = 10**6
+    dataset = ShardedDataset(pack_dir, transform=transform, decode_images=False)
+    return shard_loader(plan_run(cfg, 1), World(), torch.device("cuda"), dataset)
+
+
+def _on_cuda(loader: ShardLoader) -> Any:
+    """``loader``'s batches decoded on the CUDA device as the trainer moves them; the device synchronised at
+    the end, so that the epoch's time holds every decode."""
+    for images, labels in loader:
+        yield images.to("cuda", non_blocking=True), labels
+    torch.cuda.synchronize()
+
+
 def _peer_builders(row_set: RowSet, peer_dir: Path) -> dict[str, Callable[[], loader_peers.PeerLoader]]:
     images, crop = row_set.images, row_set.images.size if row_set.crop else 0
     files = images.shuffled_files()
@@ -337,7 +393,20 @@ def _part_a_set(
         kaisoku_rows["kaisoku-crop-decode"] = production_loader(
             image_set.pack_dir, crop_transform, crop_decode=True
         )
+    if torch.cuda.is_available():  # data.decode gpu: the same set decoded on the device
+        gpu_loader = gpu_decode_loader(image_set.pack_dir, transform)
+        records["kaisoku-gpu-decode"] = _RowRecord("kaisoku-gpu-decode", "nvJPEG (torchvision, batched)", [])
+        runs["kaisoku-gpu-decode"] = lambda: _time_epoch(
+            _on_cuda(epoch_of(gpu_loader, next(epochs))), records["kaisoku-gpu-decode"], size
+        )
+        kaisoku_rows["kaisoku-gpu-decode"] = gpu_loader
+    else:
+        rows.append(
+            {"part": "a", "size": row_set.name, "row": "kaisoku-gpu-decode", "skipped": "no CUDA device"}
+        )
     for name, loader in kaisoku_rows.items():
+        if name == "kaisoku-gpu-decode":
+            continue
         decoder = "simplejpeg" + (" (DCT-scaled)" if "crop" in name else "")
         if name != "kaisoku-per-sample":
             decoder += f" + {resizer()} resizer (batch path)"
@@ -426,6 +495,9 @@ def _part_a_set(
         }
         if name == "kaisoku-crop-decode":
             row["pixel_mean_abs_diff"] = round(_crop_pixel_diff(image_set, transform), 3)
+        if name == "kaisoku-gpu-decode":
+            largest, mean = gpu_pixel_diff(image_set, transform)
+            row["pixel_max_abs_diff_vs_host"], row["pixel_mean_abs_diff_vs_host"] = largest, round(mean, 4)
         if name == "kaisoku-per-sample":
             largest, mean = batch_pixel_diff(image_set, transform)
             row["pixel_max_abs_diff_vs_batch"], row["pixel_mean_abs_diff_vs_batch"] = largest, round(mean, 4)

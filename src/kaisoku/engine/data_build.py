@@ -221,7 +221,8 @@ def build_data(
                 spec=train_spec, seed=cfg.train.seed, crop_decode=cfg.data.crop_decode
             ),
             skip_corrupt=cfg.data.skip_corrupt,
-            decode_images=not cfg.data.crop_decode,  # crop decoding needs the encoded bytes
+            # crop decoding and decoding on the device need the encoded bytes
+            decode_images=not cfg.data.crop_decode and cfg.data.decode == "cpu",
             source=source,
         )
         val_set = (
@@ -266,4 +267,6 @@ def shard_loader(
         num_epochs=math.ceil(cfg.train.epochs),
         pin_memory=device.type == "cuda",
         batch_path=cfg.data.loader,
+        decode=cfg.data.decode,
+        device=device,
     )

@@ -34,6 +34,7 @@ import torch.utils.data
 
 from kaisoku.data.loading.batch_augment import decode_batch_into
 from kaisoku.data.loading.counters import LoaderCounters
+from kaisoku.data.loading.gpu_decode import EncodedBatch, encode_batch
 from kaisoku.data.loading.transforms import AugmentSpec, augment, augment_into, crop_decode_into, decode_image
 from kaisoku.data.shards.format import Index, read_index
 from kaisoku.data.shards.records import CorruptRecordError, RecordCodec, check_record, record_view
@@ -136,6 +137,22 @@ class ImageLabelTransform:
             names=[f"sample {index}" for index in indices],
         )
         return [int(sample[self.label_field]) for sample in samples]
+
+    def encoded(
+        self, samples: Sequence[dict[str, Any]], *, indices: Sequence[int], epoch: int
+    ) -> tuple[EncodedBatch, list[int]]:
+        """The encoded images of ``samples`` with their keyed boxes and flips, to be decoded on the training
+        device (:func:`~kaisoku.data.loading.gpu_decode.encode_batch`: the boxes and flips :meth:`into`
+        draws), and their labels."""
+        batch = encode_batch(
+            [sample[self.image_field] for sample in samples],
+            self.spec,
+            seed=self.seed,
+            epoch=epoch,
+            indices=indices,
+            names=[f"sample {index}" for index in indices],
+        )
+        return batch, [int(sample[self.label_field]) for sample in samples]
 
 
 class ShardSource:
@@ -363,7 +380,29 @@ class ShardedDataset(torch.utils.data.Dataset):
             return [self.read_into(key, out[k], datas[k] if datas else None) for k, key in enumerate(keys)]
         epoch = epochs.pop()
         labels: list[int | None] = [None] * len(keys)
-        rows, indices, samples = [], [], []
+        rows, indices, samples = self._parse_keys(keys, datas)
+        if not rows:
+            return labels
+        chunk = out[rows[0] : rows[-1] + 1] if rows == list(range(rows[0], rows[-1] + 1)) else None
+        target = chunk if chunk is not None else np.empty((len(rows), *out.shape[1:]), dtype=out.dtype)
+        try:
+            got = batch_into(samples, indices=indices, epoch=epoch, out=target)
+        except KaisokuError:  # an image that does not decode: per sample, to name or skip it
+            return [self.read_into(key, out[k], datas[k] if datas else None) for k, key in enumerate(keys)]
+        if chunk is None:
+            out[rows] = target
+        for k, label in zip(rows, got, strict=True):
+            labels[k] = label
+        return labels
+
+    def _parse_keys(
+        self, keys: Sequence[tuple[int, int]], datas: Sequence[bytes | memoryview | None] | None
+    ) -> tuple[list[int], list[int], list[dict[str, Any]]]:
+        """The records of ``keys`` read (counted), checked and parsed, images still encoded: the positions
+        in ``keys`` of those not skipped as damaged, their global indices and their fields."""
+        rows: list[int] = []
+        indices: list[int] = []
+        samples: list[dict[str, Any]] = []
         for k, key in enumerate(keys):
             shard_id, record = self.shard_of(key[1])
             index = self._starts_list[shard_id] + record
@@ -381,19 +420,30 @@ class ShardedDataset(torch.utils.data.Dataset):
                 continue
             rows.append(k)
             indices.append(index)
-        if not rows:
-            return labels
-        chunk = out[rows[0] : rows[-1] + 1] if rows == list(range(rows[0], rows[-1] + 1)) else None
-        target = chunk if chunk is not None else np.empty((len(rows), *out.shape[1:]), dtype=out.dtype)
-        try:
-            got = batch_into(samples, indices=indices, epoch=epoch, out=target)
-        except KaisokuError:  # an image that does not decode: per sample, to name or skip it
-            return [self.read_into(key, out[k], datas[k] if datas else None) for k, key in enumerate(keys)]
-        if chunk is None:
-            out[rows] = target
-        for k, label in zip(rows, got, strict=True):
-            labels[k] = label
-        return labels
+        return rows, indices, samples
+
+    def read_encoded(
+        self, keys: Sequence[tuple[int, int]], datas: Sequence[bytes | memoryview | None] | None = None
+    ) -> tuple[EncodedBatch, torch.Tensor]:
+        """The samples ``keys`` (one epoch) as an :class:`~kaisoku.data.loading.gpu_decode.EncodedBatch`,
+        to be decoded on the training device, and their int64 labels, through the transform's ``encoded``
+        (:class:`ImageLabelTransform`; ``decode_images=False``). Damaged records are skipped (left out) or
+        raise as in :meth:`read_into`; ``datas`` as there. A non-JPEG image that does not decode (decoded
+        here, on the host) raises naming its sample."""
+        encoded = getattr(self.transform, "encoded", None)
+        epochs = {int(key[0]) for key in keys}
+        if encoded is None or self.decode_images or len(epochs) != 1:
+            raise KaisokuError(
+                "decoding on the device needs an ImageLabelTransform over encoded images "
+                "(decode_images=False) and keys of one epoch"
+            )
+        _, indices, samples = self._parse_keys(keys, datas)
+        if not samples:
+            raise KaisokuError(
+                f"cannot make a batch of {len(keys)} samples: none left after skipping damaged records"
+            )
+        batch, labels = encoded(samples, indices=indices, epoch=epochs.pop())
+        return batch, torch.tensor(labels, dtype=torch.int64)
 
     def __getitems__(self, keys: Sequence[int | tuple[int, int]]) -> list[Any]:
         """Several samples at once (the DataLoader's batched fetch)."""

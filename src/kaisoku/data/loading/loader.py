@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from kaisoku.data.loading.batches import ThreadedBatches
 from kaisoku.data.loading.counters import LoaderCounters
 from kaisoku.data.loading.dataset import ShardedDataset
+from kaisoku.data.loading.gpu_decode import EncodedBatch, EncodedBatches, decode_place
 from kaisoku.data.loading.transforms import collate
 from kaisoku.data.node_cache.cache import NodeCache, auto_local_capacity
 from kaisoku.data.node_cache.staging import CacheSettings
@@ -80,6 +81,10 @@ class _ExchangedSamples(Dataset):
         """Samples ``keys`` written into ``out`` (see :meth:`ShardedDataset.read_batch_into`)."""
         return self.dataset.read_batch_into(keys, out, [self.received.get(key[1]) for key in keys])
 
+    def read_encoded(self, keys: Sequence[tuple[int, int]]) -> tuple[EncodedBatch, torch.Tensor]:
+        """Samples ``keys`` encoded, for the device (see :meth:`ShardedDataset.read_encoded`)."""
+        return self.dataset.read_encoded(keys, [self.received.get(key[1]) for key in keys])
+
 
 BATCH_PATHS = ("batch", "threads", "processes")
 """How batches are made: threads decoding chunks of a batch in one call each into reused buffers, threads
@@ -96,6 +101,11 @@ class ShardLoader:
     with ``workers`` worker processes. ``threads`` and ``processes`` give bit-identical batches; ``batch``
     the same crops and flips, pixels within
     :data:`~kaisoku.data.loading.batch_augment.BATCH_PIXEL_TOLERANCE` (identical without OpenCV).
+
+    ``decode`` ``gpu`` (on a CUDA ``device``; the host path after one line elsewhere, see
+    :func:`~kaisoku.data.loading.gpu_decode.decode_place`): the threads only read records and draw the
+    crops; batches are :class:`~kaisoku.data.loading.gpu_decode.EncodedBatch` es, decoded where the trainer
+    moves them. The dataset must keep its images encoded (``decode_images=False``).
     """
 
     def __init__(
@@ -114,10 +124,14 @@ class ShardLoader:
         num_epochs: int | None = None,
         pin_memory: bool = False,
         batch_path: str = "batch",
+        decode: str = "cpu",
+        device: torch.device | None = None,
     ) -> None:
         if batch_path not in BATCH_PATHS:
             raise KaisokuError(f"data.loader must be one of {', '.join(BATCH_PATHS)} (got {batch_path!r})")
         self.batch_path = batch_path
+        self.decode = decode_place(decode, device, announce=rank == 0)
+        """Where training images are decoded: cpu (the host, by ``batch_path``) or gpu (the device)."""
         self.dataset = dataset
         self.sampler = EpochSampler(
             dataset.shard_sizes(),
@@ -214,7 +228,9 @@ class ShardLoader:
         if self._received is not None:
             samples = _ExchangedSamples(self.dataset, self._received, epoch)
         loader: Any
-        if self.batch_path in ("batch", "threads"):
+        if self.decode == "gpu":
+            loader = EncodedBatches(samples, KeyedMicroBatches(self.sampler), threads=max(1, self.workers))
+        elif self.batch_path in ("batch", "threads"):
             micro = self.sampler.micro_batches
             loader = ThreadedBatches(
                 samples,
