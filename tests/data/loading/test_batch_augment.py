@@ -28,6 +28,7 @@ from kaisoku.data.loading.transforms import (
 )
 from kaisoku.data.order.shuffle import ShuffleSpec
 from kaisoku.data.shards.format import read_index
+from kaisoku.data.shards.writer import pack
 from tests.data.loading.test_batches import _received_half
 
 SPECS = [
@@ -183,3 +184,18 @@ def test_received_records_go_through_the_batch_path(packed: Path, ram_dir: Path)
     for (a, la), (b, lb) in zip(reference, got, strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)
     assert stats is not None and stats["exchanged_bytes"] > 0
+
+
+def test_single_channel_data_reads_sample_by_sample_on_the_batch_path(
+    tmp_path: Path, mnist_path: Path
+) -> None:
+    # MNIST packed from its arrays: 1-channel images, which the batch path (3 channels) hands to the
+    # per-sample path: the same batches as data.loader threads, bit for bit.
+    with np.load(mnist_path) as archive:
+        np.savez(tmp_path / "digits.npz", x_train=archive["x_train"][:40], y_train=archive["y_train"][:40])
+    pack(tmp_path / "digits.npz", tmp_path / "packed", progress=False, workers=1)
+    packed = tmp_path / "packed" / "train"
+    batch, threads = (_epoch(_loader(packed, path=path, workers=1), 1) for path in ("batch", "threads"))
+    assert batch and batch[0][0].shape[1] == 1
+    for (a, la), (b, lb) in zip(batch, threads, strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)

@@ -376,7 +376,9 @@ class ShardedDataset(torch.utils.data.Dataset):
         batch_into = getattr(self.transform, "batch_into", None)
         spec = getattr(self.transform, "spec", None)
         epochs = {int(key[0]) for key in keys}
-        if batch_into is None or spec is None or not spec.train or len(epochs) != 1:
+        # The batch path writes 3-channel images; single-channel data (MNIST arrays) reads sample by sample.
+        single_channel = out.ndim == 4 and out.shape[1] != 3
+        if batch_into is None or spec is None or not spec.train or len(epochs) != 1 or single_channel:
             return [self.read_into(key, out[k], datas[k] if datas else None) for k, key in enumerate(keys)]
         epoch = epochs.pop()
         labels: list[int | None] = [None] * len(keys)
