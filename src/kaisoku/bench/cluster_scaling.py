@@ -97,14 +97,15 @@ def _cell_order(plan: ScalingPlan, repeat: int) -> list[tuple[int, float]]:
 def _loader(plan: ScalingPlan, hosts: int, exchange: float, rank: int, root: Path) -> Any:
     """The ShardLoader of host ``rank`` in an ``hosts``-host cell, its node cache under ``root`` (built as
     :func:`kaisoku.bench.slowfs_readers.node_loader` builds it, at ``hosts`` times the per-host batch)."""
-    import torch  # noqa: PLC0415 - the driver side of this module runs without torch's start-up
+    # Only the rank side needs these: the driver side of this module runs without torch's start-up.
+    import torch  # noqa: PLC0415
 
-    from kaisoku.bench.slowfs_readers import EncodedSize  # noqa: PLC0415 - imports torch
+    from kaisoku.bench.slowfs_readers import EncodedSize  # noqa: PLC0415
     from kaisoku.config import Config  # noqa: PLC0415
     from kaisoku.config_sections import ByteSize  # noqa: PLC0415
-    from kaisoku.data.loading.dataset import ShardedDataset  # noqa: PLC0415 - imports torch
-    from kaisoku.distributed.env import World  # noqa: PLC0415 - imports torch
-    from kaisoku.engine.data_build import shard_loader  # noqa: PLC0415 - imports torch
+    from kaisoku.data.loading.dataset import ShardedDataset  # noqa: PLC0415
+    from kaisoku.distributed.env import World  # noqa: PLC0415
+    from kaisoku.engine.data_build import shard_loader  # noqa: PLC0415
     from kaisoku.run_facts import plan_run  # noqa: PLC0415
     from kaisoku.run_plan import WorldShape  # noqa: PLC0415
 
@@ -216,6 +217,7 @@ def predicted_epoch_s(plan: ScalingPlan, hosts: int, exchange: float) -> float:
     """The first epoch ``kaisoku plan``'s model predicts for a cell: the shared storage at each host's link
     rate per reading host (each host's own link, the storage's unshaped), the network at the link rate,
     no compute (the cells train no model)."""
+    # The driver's start-up stays free of the planner (numpy) until a prediction is asked for.
     from kaisoku.plan.model import Cluster, Dataset, RateTable, Strategy, predict  # noqa: PLC0415
 
     rate = plan.rate_mbit * 1e6 / 8
@@ -247,9 +249,10 @@ def make_packs(plan: ScalingPlan, shared: Path) -> float:
     """The set of every cell size in ``shared``: images generated once for the largest cell, the smaller
     cells' sets packed from a hard-linked prefix of each class (raw codec: the bytes stay as generated);
     the mean bytes of a packed sample."""
-    from kaisoku.data.datagen import generate  # noqa: PLC0415 - imports the image codecs
+    # The driver's start-up stays free of torch and the image codecs until the sets are made.
+    from kaisoku.data.datagen import generate  # noqa: PLC0415
     from kaisoku.data.shards.format import read_index  # noqa: PLC0415
-    from kaisoku.data.shards.writer import pack  # noqa: PLC0415 - imports torch
+    from kaisoku.data.shards.writer import pack  # noqa: PLC0415
 
     largest = plan.hosts
     images = generate(
@@ -336,6 +339,7 @@ def probed_epoch_s(plan: ScalingPlan, profile: dict[str, Any], row: dict[str, An
     The probe sees one host's mount; each host of the box has a link of its own, so the shared storage's
     aggregate at ``r`` readers (one a host) is ``r`` times the probe's one-reader bandwidth. The node
     bandwidth is the links' rate (a probe on one node measures only its loopback), and no compute runs."""
+    # The driver's start-up stays free of the planner until a prediction is asked for.
     from kaisoku.plan.cluster import cluster_from_dict  # noqa: PLC0415
     from kaisoku.plan.model import Dataset, RateTable, Strategy, predict  # noqa: PLC0415
 
