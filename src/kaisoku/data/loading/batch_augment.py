@@ -34,6 +34,7 @@ from kaisoku.data.loading.transforms import (
     AugmentSpec,
     _epoch_key,
     _resize_box,
+    centre_crop_box,
     decode_image,
 )
 
@@ -118,16 +119,7 @@ def keyed_crops(
         boxes[rows] = np.stack([left, top, left + crop_w, top + crop_h], axis=1)
         flip_draw[rows], pending[rows] = draw + 4, False
     for row in np.flatnonzero(pending):  # ten misses (rare): the centre crop, ratio clamped, as transforms
-        height, width = int(heights[row]), int(widths[row])
-        in_ratio = width / height
-        if in_ratio < spec.ratio[0]:
-            crop_w, crop_h = width, int(round(width / spec.ratio[0]))
-        elif in_ratio > spec.ratio[1]:
-            crop_h, crop_w = height, int(round(height * spec.ratio[1]))
-        else:
-            crop_w, crop_h = width, height
-        top, left = (height - crop_h) // 2, (width - crop_w) // 2
-        boxes[row] = (left, top, left + crop_w, top + crop_h)
+        boxes[row] = centre_crop_box(int(heights[row]), int(widths[row]), spec)
     flips = _draw(states, flip_draw) >= 0.5 if spec.flip else np.zeros(count, dtype=bool)
     return boxes, flips
 

@@ -349,12 +349,7 @@ class ShardedDataset(torch.utils.data.Dataset):
         shard_id, record = self.shard_of(index)
         index = self._starts_list[shard_id] + record
         try:
-            if data is None:
-                data = self._record_view(shard_id, record)
-                if self.source.counters is not None:
-                    self._count_read(shard_id, len(data))
-            elif self.verify:
-                check_record(self.index, data, shard_id, record)
+            data = self._record_bytes(shard_id, record, data)
             return self._finish(data, shard_id, record, index, epoch, out=out)
         except CorruptRecordError as error:
             return self._skip(error)
@@ -397,6 +392,19 @@ class ShardedDataset(torch.utils.data.Dataset):
             labels[k] = label
         return labels
 
+    def _record_bytes(
+        self, shard_id: int, record: int, data: bytes | memoryview | None
+    ) -> bytes | memoryview:
+        """Record ``record`` of shard ``shard_id``: read here (and counted), or ``data`` obtained elsewhere
+        (received from another node), checked against the index when ``verify`` is on."""
+        if data is None:
+            data = self._record_view(shard_id, record)
+            if self.source.counters is not None:
+                self._count_read(shard_id, len(data))
+        elif self.verify:
+            check_record(self.index, data, shard_id, record)
+        return data
+
     def _parse_keys(
         self, keys: Sequence[tuple[int, int]], datas: Sequence[bytes | memoryview | None] | None
     ) -> tuple[list[int], list[int], list[dict[str, Any]]]:
@@ -410,13 +418,7 @@ class ShardedDataset(torch.utils.data.Dataset):
             index = self._starts_list[shard_id] + record
             data = datas[k] if datas else None
             try:
-                if data is None:
-                    data = self._record_view(shard_id, record)
-                    if self.source.counters is not None:
-                        self._count_read(shard_id, len(data))
-                elif self.verify:
-                    check_record(self.index, data, shard_id, record)
-                samples.append(self._parse(data, shard_id, record))
+                samples.append(self._parse(self._record_bytes(shard_id, record, data), shard_id, record))
             except CorruptRecordError as error:
                 self._skip(error)
                 continue

@@ -187,6 +187,12 @@ def random_crop_box(
             top = int(rng.integers(0, height - crop_h + 1))
             left = int(rng.integers(0, width - crop_w + 1))
             return left, top, left + crop_w, top + crop_h
+    return centre_crop_box(height, width, spec)
+
+
+def centre_crop_box(height: int, width: int, spec: AugmentSpec) -> tuple[int, int, int, int]:
+    """The box :func:`random_crop_box` falls back to after ten misses: the centre crop, its aspect ratio
+    clamped into ``spec.ratio``, as torchvision does."""
     in_ratio = width / height
     if in_ratio < spec.ratio[0]:
         crop_w, crop_h = width, int(round(width / spec.ratio[0]))
