@@ -213,12 +213,28 @@ def efficiencies(rows: list[dict[str, Any]], hosts: int, exchange: float) -> lis
     ]
 
 
+def _cell_first_epoch_s(plan: ScalingPlan, cluster: Any, hosts: int, exchange: float) -> float:
+    """The model's first epoch of a cell on ``cluster``: the cell's set, global staging on one host, the
+    partial shuffle exchanging ``exchange`` on several."""
+    # The driver's start-up stays free of the planner until a prediction is asked for.
+    from kaisoku.plan.model import Dataset, Strategy, predict  # noqa: PLC0415
+
+    dataset = Dataset(
+        samples=hosts * plan.per_host, sample_bytes=plan.sample_bytes, shard_bytes=plan.shard_bytes
+    )
+    if hosts == 1:
+        strategy = Strategy("staged-global", "global")
+    else:
+        strategy = Strategy(f"partial-Q{exchange:g}", "partial", exchange=exchange)
+    return predict(cluster, dataset, strategy, hosts).first_epoch_s
+
+
 def predicted_epoch_s(plan: ScalingPlan, hosts: int, exchange: float) -> float:
     """The first epoch ``kaisoku plan``'s model predicts for a cell: the shared storage at each host's link
     rate per reading host (each host's own link, the storage's unshaped), the network at the link rate,
     no compute (the cells train no model)."""
     # The driver's start-up stays free of the planner (numpy) until a prediction is asked for.
-    from kaisoku.plan.model import Cluster, Dataset, RateTable, Strategy, predict  # noqa: PLC0415
+    from kaisoku.plan.model import Cluster, RateTable  # noqa: PLC0415
 
     rate = plan.rate_mbit * 1e6 / 8
     readers = (1, 2, 4, 8, 16)
@@ -235,14 +251,7 @@ def predicted_epoch_s(plan: ScalingPlan, hosts: int, exchange: float) -> float:
         ram_bw=1e10,
         batch_per_rank=plan.batch,
     )
-    dataset = Dataset(
-        samples=hosts * plan.per_host, sample_bytes=plan.sample_bytes, shard_bytes=plan.shard_bytes
-    )
-    if hosts == 1:
-        strategy = Strategy("staged-global", "global")
-    else:
-        strategy = Strategy(f"partial-Q{exchange:g}", "partial", exchange=exchange)
-    return predict(cluster, dataset, strategy, hosts).first_epoch_s
+    return _cell_first_epoch_s(plan, cluster, hosts, exchange)
 
 
 def make_packs(plan: ScalingPlan, shared: Path) -> float:
@@ -341,7 +350,7 @@ def probed_epoch_s(plan: ScalingPlan, profile: dict[str, Any], row: dict[str, An
     bandwidth is the links' rate (a probe on one node measures only its loopback), and no compute runs."""
     # The driver's start-up stays free of the planner until a prediction is asked for.
     from kaisoku.plan.cluster import cluster_from_dict  # noqa: PLC0415
-    from kaisoku.plan.model import Dataset, RateTable, Strategy, predict  # noqa: PLC0415
+    from kaisoku.plan.model import RateTable  # noqa: PLC0415
 
     hosts, exchange = row["hosts"], row["exchange"]
     probed = cluster_from_dict({**profile, "cluster": {**profile["cluster"], "nodes": hosts}}, "probe")
@@ -359,14 +368,7 @@ def probed_epoch_s(plan: ScalingPlan, profile: dict[str, Any], row: dict[str, An
         batch_per_rank=plan.batch,
         loader_rate=0.0,
     )
-    dataset = Dataset(
-        samples=hosts * plan.per_host, sample_bytes=plan.sample_bytes, shard_bytes=plan.shard_bytes
-    )
-    if hosts == 1:
-        strategy = Strategy("staged-global", "global")
-    else:
-        strategy = Strategy(f"partial-Q{exchange:g}", "partial", exchange=exchange)
-    return predict(cluster, dataset, strategy, hosts).first_epoch_s
+    return _cell_first_epoch_s(plan, cluster, hosts, exchange)
 
 
 def unseen_plan(work: Path) -> ScalingPlan:
