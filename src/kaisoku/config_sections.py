@@ -78,7 +78,7 @@ class DataConfig:
     crop_decode: bool = False
     """Packed data: decode each JPEG at the smallest DCT scale (1/2, 1/4, 1/8) its training crop allows: much faster for large photos, pixels differ slightly from the exact decode (the default)."""
     loader: Literal["batch", "threads", "processes"] = "batch"
-    """Packed data: how batches are made: batch (data.workers threads, at least 1, each decoding a chunk of the batch in one call without the GIL into reused batch buffers; the fastest, uses OpenCV's resizer when opencv-python-headless is installed: same crops and flips, pixels within 1 level of the others), threads (the same threads, sample by sample) or processes (a DataLoader with data.workers worker processes; the same batches as threads)."""
+    """Packed data: how batches are made: batch (data.workers threads, at least 1, each decoding a chunk of the batch in one call without the GIL into reused batch buffers; the fastest), threads (the same threads, sample by sample) or processes (a DataLoader with data.workers worker processes); all three give the same batches."""
     decode: Literal["cpu", "gpu"] = "cpu"
     """Packed JPEG data: where training images are decoded: cpu (the host, by data.loader) or gpu (the training device: data.workers threads only read records and draw the keyed crops, the CUDA device decodes each batch in one nvJPEG call and crops, resizes and flips there; same crops and flips, pixels within a few levels of the host path's). Without a CUDA device gpu decodes on the host, after one line."""
 

@@ -41,11 +41,18 @@ from kaisoku.bench.imagesets import (
 )
 from kaisoku.bench.loader_index import index_part
 from kaisoku.config import Config
-from kaisoku.data.loading.batch_augment import decode_batch_into, resizer
+from kaisoku.data.loading.batch_augment import decode_batch_into
 from kaisoku.data.loading.dataset import ImageLabelTransform, ShardedDataset
 from kaisoku.data.loading.gpu_decode import decode_on_device, encode_batch
 from kaisoku.data.loading.loader import ShardLoader
-from kaisoku.data.loading.transforms import AugmentSpec, augment, augment_into, crop_decode_into, decode_image
+from kaisoku.data.loading.transforms import (
+    AugmentSpec,
+    augment,
+    augment_into,
+    crop_decode_into,
+    decode_image,
+    resizer,
+)
 from kaisoku.distributed.env import World
 from kaisoku.engine.data_build import shard_loader
 from kaisoku.run_facts import plan_run

@@ -62,9 +62,8 @@ NON_TRAJECTORY_KEYS: frozenset[str] = frozenset(
         "data.path",  # a moved dataset; its content is checked by its index
         "data.cache_dir",
         "data.workers",
-        # same crops and flips; pixels within a level of each other (OpenCV's resizer, nvJPEG)
         "data.loader",
-        "data.decode",
+        "data.decode",  # the same crops and flips; nvJPEG's pixels within a level or two of the host's
         "data.local_cache",
         "data.local_capacity",
         "data.ram_capacity",

@@ -5,10 +5,10 @@ small image's time around its C calls: a crop drawn in Python, the crop wrapped 
 kernel whose per-call cost outweighs 64 px of pixels, the flip, the copy. Here the boxes and flips of the
 whole chunk are drawn at once, vectorised over SplitMix64 in numpy (:func:`keyed_crops`: the same boxes,
 bit for bit, as :func:`~kaisoku.data.loading.transforms.random_crop_box`); each JPEG is decoded by
-libjpeg-turbo into one reused scratch buffer; a crop enlarged to the output (every crop of a set whose
-images are no larger than the output) is resized by OpenCV's fixed-point bilinear resizer when
-``opencv-python-headless`` is installed (2-3x cheaper than torch's kernel on small crops), any other crop
-by the per-sample path's own torch kernel; flip and HWC -> CHW end in one strided copy into the batch
+libjpeg-turbo into one reused scratch buffer; each crop is resized by the per-sample path's own resizer
+(:func:`~kaisoku.data.loading.transforms._resize_box`: OpenCV's bilinear resize for a crop enlarged to the
+output where ``opencv-python-headless`` is installed, 2-3x cheaper than torch's kernel on small crops, torch's
+antialiased kernel otherwise), so both paths give the same pixels; flip and HWC -> CHW end in one strided copy into the batch
 buffer. Every C call releases the GIL, so a batch split between threads decodes in parallel.
 
 Measured against other batch designs on 64 px JPEGs (single thread, CPU time): one batched
@@ -20,7 +20,6 @@ through the cheapest fused resizer available.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -44,10 +43,9 @@ _MIX2 = np.uint64(0x94D049BB133111EB)
 
 BATCH_PIXEL_TOLERANCE = (1, 0.3)
 """Largest and mean absolute difference, in uint8 levels, allowed between a batch-path sample and the
-per-sample path's, with the same crop box and flip. Crops enlarged to the output go through OpenCV's bilinear
-resizer where it is installed (the same filter in another fixed point: measured max 1, mean 0.21 over a batch
-of 64 px and of 160 px JPEGs); crops shrunk on either side, and every crop without OpenCV, go through the
-per-sample path's own kernel, bit-identical."""
+per-sample path's under crop decoding (the batch path puts a DCT-scaled crop's box on whole pixels, the
+per-sample path keeps its sub-pixel box). With exact decoding both paths resize through the one
+:func:`~kaisoku.data.loading.transforms._resize_box` and give the same pixels, bit for bit."""
 
 
 def _mix64(values: np.ndarray) -> np.ndarray:
@@ -124,34 +122,10 @@ def keyed_crops(
     return boxes, flips
 
 
-@functools.cache
-def _opencv() -> Any:
-    """OpenCV's module where ``opencv-python-headless`` is installed, else None (imported on first use: it
-    is optional, and its import costs start-up time to commands that never decode a batch)."""
-    try:
-        import cv2
-    except ImportError:
-        return None
-    return cv2
-
-
-def resizer() -> str:
-    """The resizer the batch path uses here: ``opencv`` (installed) or ``torch`` (the per-sample kernel)."""
-    return "opencv" if _opencv() is not None else "torch"
-
-
 def _resize(image: np.ndarray, box: tuple[int, int, int, int], size: int) -> np.ndarray:
-    """Whole-pixel ``box`` of HWC uint8 ``image`` resized to ``size`` x ``size``, HWC uint8."""
-    left, top, right, bottom = box
-    cv2 = _opencv()
-    if cv2 is None or right - left > size or bottom - top > size:
-        # Shrinking (either side) keeps the per-sample kernel: antialiased, bit-identical to that path.
-        return _resize_box(image, box, size)
-    if right - left == size and bottom - top == size:
-        return image[top:bottom, left:right]  # already the output size: no resampling (as _resize_box)
-    # Enlarging: bilinear with half-pixel centres, the filter torch's kernel applies there (no antialiasing
-    # is involved), in OpenCV's fixed point.
-    return cv2.resize(image[top:bottom, left:right], (size, size), interpolation=cv2.INTER_LINEAR)
+    """Whole-pixel ``box`` of HWC uint8 ``image`` resized to ``size`` x ``size``, HWC uint8: the per-sample
+    path's own resizer, so both paths give the same pixels."""
+    return _resize_box(image, box, size)
 
 
 def decode_batch_into(
