@@ -1,5 +1,6 @@
 """The pure parts of ``kaisoku bench cluster``: merging the scaling ranks' records, efficiencies, the
-planner's prediction of a cell, and the launcher's rendezvous clocks."""
+planner's prediction of a cell, the judgement of its recommendation against the measured strategies, and
+the launcher's rendezvous clocks."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kaisoku.bench import cluster_scaling as scaling
-from kaisoku.bench.cluster import planner_errors
+from kaisoku.bench.cluster import planner_errors, recommendation_vs_fastest
 from kaisoku.bench.cluster_rank import split_clocks
 from kaisoku.distributed.launch import DEFAULT_TIMING, RendezvousTiming, rendezvous_for
 
@@ -46,8 +47,99 @@ def test_the_planner_prices_the_exchange_on_the_hosts_own_links(tmp_path: Path) 
 def test_cells_are_rotated_per_repeat_and_one_host_has_no_exchange(tmp_path: Path) -> None:
     plan = scaling.plan_for(False, tmp_path)
     first, second = scaling._cell_order(plan, 0), scaling._cell_order(plan, 1)
-    assert first[0] == (1, 0.0) and sorted(first) == sorted(second) and first != second
-    assert [cell for cell in first if cell[0] == 1] == [(1, 0.0)]
+    assert first[0] == (1, 0.0, "staged-global") and sorted(first) == sorted(second) and first != second
+    assert [cell for cell in first if cell[0] == 1] == [(1, 0.0, "staged-global")]
+    assert scaling.strategy_cells(plan) == []  # the full scaling box measures no strategy cells
+
+
+def test_the_strategy_cells_are_the_planners_strategies_the_scaling_cells_leave_out(tmp_path: Path) -> None:
+    plan = scaling.unseen_plan(tmp_path)
+    extra = scaling.strategy_cells(plan)
+    # The unseen box's 2-host scaling cells are partial-Q0.25 and local-only already.
+    assert [name for _, _, name in extra] == [
+        "per-file", "staged-global", "partial-Q1", "partial-Q0.5", "partial-Q0.1", "staged-block",
+    ]  # fmt: skip
+    assert all(hosts == 2 for hosts, _, _ in extra) and (2, 1.0, "partial-Q1") in extra
+    order = scaling._cell_order(plan, 0)
+    assert len(order) == 4 + len(extra) and sorted(order) == sorted(scaling._cell_order(plan, 1))
+    assert (
+        scaling.scaling_strategy(2, 0.0) == "local-only"
+        and scaling.scaling_strategy(2, 0.5) == "partial-Q0.5"
+    )
+
+
+def test_the_planners_table_for_the_cell_predicts_each_strategy_as_its_rows_do(tmp_path: Path) -> None:
+    plan = replace(scaling.plan_for(True, tmp_path), sample_bytes=1500.0)
+    record = scaling.strategy_plan(plan, None)
+    assert record["nodes"] == 2 and record["epochs"] == 1
+    names = [row["strategy"] for row in record["strategies"]]
+    assert record["recommendation"]["strategy"] in names
+    for row in record["strategies"]:
+        assert row["first_epoch_s"] == pytest.approx(
+            scaling.predicted_epoch_s(plan, 2, 0.0, row["strategy"]), abs=1e-3
+        )
+        assert 0.0 <= row["quality"] <= 1.0
+    # A global order scores above the partial shuffle without exchange.
+    quality = {row["strategy"]: row["quality"] for row in record["strategies"]}
+    assert quality["staged-global"] > quality["local-only"]
+
+
+def _table(recommended: str, rows: dict[str, tuple[float, float]]) -> dict[str, object]:
+    """A planner table of (predicted seconds, quality) per strategy at 2 nodes."""
+    return {
+        "nodes": 2, "epochs": 1, "au_target": 0.9, "cluster": "test",
+        "strategies": [
+            {"strategy": name, "first_epoch_s": predicted, "quality": quality}
+            for name, (predicted, quality) in rows.items()
+        ],
+        "recommendation": {"strategy": recommended, "why": "test"},
+    }  # fmt: skip
+
+
+def _measured(seconds: dict[str, list[float]]) -> list[dict[str, object]]:
+    return [
+        {"hosts": 2, "strategy": name, "repeat": r, "seconds": value}
+        for name, values in seconds.items()
+        for r, value in enumerate(values)
+    ]
+
+
+def test_a_recommendation_slower_than_an_equal_quality_strategy_misses_the_goal() -> None:
+    table = _table(
+        "partial-Q0.5", {"partial-Q0.5": (1.0, 0.7), "staged-global": (2.0, 1.0), "local-only": (0.5, 0.0)}
+    )
+    rows = _measured(
+        {"partial-Q0.5": [3.0, 3.3, 3.1], "staged-global": [2.0, 2.2, 2.0], "local-only": [1.0] * 3}
+    )
+    entry = recommendation_vs_fastest(rows, table, "")
+    # local-only is the fastest but shuffles less: the comparison is with staged-global, 1.5x faster.
+    assert entry["fastest_equal_quality"] == "staged-global"
+    assert entry["value"] == pytest.approx(1.5, abs=0.01) and entry["met"] is False
+    assert entry["strategies"]["local-only"]["equal_quality"] is False
+    assert entry["strategies"]["staged-global"]["measured_s"] == 2.0
+    assert entry["strategies"]["staged-global"]["predicted_s"] == 2.0
+    assert entry["strategies"]["partial-Q0.5"]["samples_s"] == [3.0, 3.3, 3.1]
+    assert "equal_quality_rule" in entry
+
+
+def test_a_recommendation_that_was_the_fastest_of_its_quality_meets_the_goal() -> None:
+    table = _table("local-only", {"local-only": (0.5, 0.0), "partial-Q0.5": (1.0, 0.7)})
+    rows = _measured({"local-only": [1.0, 1.1, 1.0], "partial-Q0.5": [1.5, 1.6, 1.4]})
+    entry = recommendation_vs_fastest(rows, table, "")
+    assert entry["fastest_equal_quality"] == "local-only" and entry["value"] == 1.0 and entry["met"] is True
+
+
+def test_a_recommendation_with_no_strategy_of_equal_quality_is_not_judged() -> None:
+    table = _table("staged-global", {"staged-global": (2.0, 1.0), "local-only": (0.5, 0.0)})
+    rows = _measured({"staged-global": [2.0, 2.0, 2.0], "local-only": [1.0] * 3})
+    entry = recommendation_vs_fastest(rows, table, "")
+    assert (
+        entry["met"] is False and entry["value"] is None and "no strategy of equal quality" in entry["reason"]
+    )
+    unmeasured = recommendation_vs_fastest(
+        rows[:3], _table("local-only", {"local-only": (0.5, 0.0), "staged-global": (2.0, 1.0)}), ""
+    )
+    assert unmeasured["met"] is False and "no measured epoch of local-only" in unmeasured["reason"]
 
 
 def test_the_bench_clocks_reach_torchruns_rendezvous_and_the_default_is_unchanged() -> None:

@@ -102,6 +102,7 @@ GOALS: dict[str, set[str]] = {
         "weak_scaling_efficiency_4_hosts",
         "planner_unseen_median_abs_error",
         "planner_unseen_worst_abs_error",
+        "planner_recommendation_vs_fastest_equal_quality",
     },
 }
 
@@ -128,5 +129,10 @@ def test_quick_run_records_every_goal_and_leaves_results_alone(name: str, tmp_pa
     check_record(record, GOALS[name])
     if name == "cluster" and unavailable_reason() is None:
         assert record["rows"], record["summary"]  # where the box can be built, the loss was measured
+        judged = record["summary"]["planner_recommendation_vs_fastest_equal_quality"]
+        # --quick judges the recommendation once, on the scaling box: every strategy measured and priced.
+        assert judged["recommended"] in judged["strategies"] and judged["equal_quality_rule"]
+        for entry in judged["strategies"].values():
+            assert entry["measured_s"] > 0 and entry["predicted_s"] > 0 and 0 <= entry["quality"] <= 1
     assert record["argv"] == [name, "--quick", "--out", str(tmp_path)]
     assert fingerprint(RECORDED) == before
