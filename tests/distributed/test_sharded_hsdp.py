@@ -75,7 +75,7 @@ def _resume_and_train(
 
 
 def _model_keys_by_file(folder: Path) -> dict[str, set[str]]:
-    """The model tensors (by name) that each shard file of the sharded checkpoint ``folder`` holds pieces of."""
+    """The model tensors (by name) each shard file of the sharded checkpoint ``folder`` holds pieces of."""
     metadata = FileSystemReader(folder).read_metadata()
     held: dict[str, set[str]] = {}
     for index, info in metadata.storage_data.items():
@@ -108,8 +108,9 @@ def test_hsdp_matches_ddp_and_moves_to_two_ranks_pipeline_stages_and_back(
     )[0]
     assert two["kind"] == "ShardedStep" and two["summary"]["steps"] == 3
     at_three = tmp_path / "run-s" / "checkpoints" / "step-00000003"
-    # -> 2 pipeline stages x 2 shards on 4 ranks: each rank reads its stage's pieces, the step-3 state exactly;
-    # to step 4 as the uninterrupted run, saved in the background as a folder of each rank's stage shards.
+    # -> 2 pipeline stages x 2 shards on 4 ranks: each rank reads its stage's pieces, the step-3 state
+    # exactly; to step 4 as the uninterrupted run, saved in the background as a folder of each rank's stage
+    # shards.
     piped = run_ranks(
         _resume_and_train, 4, tmp_path / "p", tiny_data, tmp_path / "run-p", 4, str(at_three), PIPELINE,
         timeout=400,

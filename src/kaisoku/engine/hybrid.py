@@ -29,6 +29,7 @@ from kaisoku.distributed.layout import ParallelLayout, SwitchSchedule
 from kaisoku.distributed.mesh import ParallelMesh, build_mesh
 from kaisoku.distributed.named_state import is_named_optimizer_state, named_from_torch_optimizer_state
 from kaisoku.distributed.pipeline import HybridOptions, HybridParallel, LossFn, OptimizerFactory
+from kaisoku.distributed.sharding import local_weights_finite
 from kaisoku.distributed.switch import switch_layout
 from kaisoku.engine.step import MicroBatches, Precision, continue_schedule
 
@@ -156,6 +157,12 @@ class HybridStep:
         self.parallel.full_state_dict()
         return self.model
 
+    def weights_finite(self) -> torch.Tensor:
+        """Whether this rank's stage weights (its shards, when sharded) and buffers are finite: what it trains
+        and checkpoints; the whole model is only refreshed at a gather (the trainer agrees over ranks)."""
+        finite = [local_weights_finite(module) for module in self.parallel.stage_modules]
+        return torch.stack(finite).all()
+
     def state_dict(self) -> dict[str, Any]:
         """The layout-independent form: ``model``, named ``optimizer``, ``layout``; plus the scheduler.
 
@@ -166,7 +173,7 @@ class HybridStep:
             return {
                 "model": model_state,
                 "optimizer": optimizer_state,
-                "scheduler": self.scheduler.state_dict(),
+                "scheduler": self._whole_model_schedule(optimizer_state["param_groups"]),
                 "scaler": self.precision.scaler.state_dict(),
             }
         full = self.parallel.full_state_dict()
@@ -178,11 +185,20 @@ class HybridStep:
             "scaler": self.precision.scaler.state_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a model and optimizer state saved under any layout (or by DDP); the schedule goes on at the step.
+    def _whole_model_schedule(self, groups: list[dict[str, Any]]) -> dict[str, Any]:
+        """The scheduler's state as one optimizer with every stage's ``groups`` holds it: this rank's stage
+        may hold fewer groups, and a reader under another layout loads it into all of its own."""
+        return {
+            **self.scheduler.state_dict(),
+            "base_lrs": [group["initial_lr"] for group in groups],
+            "_last_lr": [group["lr"] for group in groups],
+            "lr_lambdas": [None] * len(groups),
+        }
 
-        A sharded checkpoint folder (``sharded_dir``, given to sharded stages only) is read by each rank for
-        its own stage."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a model and optimizer state saved under any layout (or by DDP); the schedule goes on at the
+        step. A sharded checkpoint folder (``sharded_dir``, given to sharded stages only) is read by each rank
+        for its own stage."""
         if "sharded_dir" in state:
             self.parallel.load_sharded(state["sharded_dir"])
             continue_schedule(self.scheduler, int(state["step"]))
