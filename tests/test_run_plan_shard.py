@@ -77,10 +77,6 @@ def test_mesh_shape_arithmetic() -> None:
             {"parallel__shard": "full", "parallel__pp": 2, "parallel__dp_replicate": 2},
             "parallel.dp_replicate under pipeline stages",
         ),
-        (
-            {"parallel__shard": "grad", "parallel__pp": 2, "checkpoint__async_save": True},
-            "checkpoint.async_save under pipeline stages",
-        ),
         ({"parallel__shard": "full", "memory__update_in_backward": True}, "memory.update_in_backward"),
         ({"parallel__shard": "grad", "optim__kfac__enabled": True}, "K-FAC needs whole gradients"),
         ({"parallel__shard": "full", "train__compile": "model"}, "train.compile"),

@@ -159,10 +159,15 @@ class RunPlan:
 
     @property
     def sharded_engine(self) -> bool:
-        """The sharded engine (FSDP2 over the data mesh) runs the step, and checkpoints are DCP folders of
-        every rank's shards; pipeline stages, sharded or not, run the hybrid engine and write one file of
-        whole tensors."""
+        """The sharded engine (FSDP2 over the data mesh) runs the step; pipeline stages, sharded or not, run
+        the hybrid engine."""
         return self.shard != "none" and not self.hybrid
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """Checkpoints are DCP folders of every rank's shards (sharded data parallelism, or pipeline stages
+        sharded over their replicas); else one file of whole tensors that rank 0 writes."""
+        return self.shard != "none"
 
     @property
     def engine_name(self) -> str:
@@ -444,10 +449,6 @@ def _check_shard(cfg: Config, world: WorldShape | None, hybrid: bool) -> tuple[i
         (
             hybrid and par.dp_replicate != 1,
             "parallel.dp_replicate under pipeline stages (each stage shards over all its replicas; drop it)",
-        ),
-        (
-            hybrid and cfg.checkpoint.async_save,
-            "checkpoint.async_save under pipeline stages (their checkpoints are one file of whole tensors)",
         ),
         (cfg.memory.update_in_backward, "memory.update_in_backward (the sharded step owns the update)"),
         (cfg.optim.kfac.enabled, "optim.kfac.enabled (K-FAC needs whole gradients of each layer)"),

@@ -20,6 +20,8 @@ from kaisoku.distributed.env import World
 from kaisoku.distributed.sharded_checkpoint import read_whole, sharded_state
 from kaisoku.engine.build import build_trainer
 from kaisoku.engine.checkpoint import CheckpointManager
+from kaisoku.engine.hybrid import HybridStep
+from kaisoku.engine.trainer import Trainer
 from tests.dist_harness import run_ranks
 from tests.train_harness import tiny_config
 
@@ -40,6 +42,33 @@ def _config(data: Path, run_dir: Path, **overrides: object) -> Config:
     return tiny_config(data, run_dir, **{**settings, **overrides})
 
 
+def _build(
+    rank: int, world_size: int, data: Path, run_dir: Path, max_steps: int, resume: str, overrides: dict
+) -> Trainer:
+    cfg = _config(data, run_dir, **overrides)
+    cfg.train.max_steps = max_steps
+    return build_trainer(
+        cfg, World(rank=rank, world_size=world_size, local_world_size=world_size), resume=resume
+    )
+
+
+def _whole_state(trainer: Trainer) -> dict:
+    """The weights and the optimizer state (by parameter name) as whole tensors, on every rank, whatever the
+    engine (a collective)."""
+    if isinstance(trainer.engine, HybridStep):
+        full = trainer.engine.parallel.full_state_dict()
+        return {"model": full["model"], "optimizer": full["optimizer"]["state"]}
+    model_state, optimizer_state = sharded_state(trainer.unwrapped, trainer.optimizer)
+
+    def whole(value: object) -> object:
+        return value.full_tensor().clone() if hasattr(value, "full_tensor") else value
+
+    return {
+        "model": {k: whole(v) for k, v in model_state.items()},
+        "optimizer": {k: {n: whole(t) for n, t in v.items()} for k, v in optimizer_state["state"].items()},
+    }
+
+
 def _train(
     rank: int,
     world_size: int,
@@ -50,24 +79,10 @@ def _train(
     resume: str,
     overrides: dict,
 ) -> dict:
-    cfg = _config(data, run_dir, **overrides)
-    cfg.train.max_steps = max_steps
-    trainer = build_trainer(
-        cfg, World(rank=rank, world_size=world_size, local_world_size=world_size), resume=resume
-    )
+    trainer = _build(rank, world_size, data, run_dir, max_steps, resume, overrides)
     summary = trainer.fit()
     trainer.metrics.close()
-    model_state, optimizer_state = sharded_state(trainer.unwrapped, trainer.optimizer)
-
-    def whole(value: object) -> object:
-        return value.full_tensor().clone() if hasattr(value, "full_tensor") else value
-
-    return {
-        "summary": summary,
-        "model": {k: whole(v) for k, v in model_state.items()},
-        "optimizer": {k: {n: whole(t) for n, t in v.items()} for k, v in optimizer_state["state"].items()},
-        "kind": type(trainer.engine).__name__,
-    }
+    return {"summary": summary, **_whole_state(trainer), "kind": type(trainer.engine).__name__}
 
 
 def _parameters(state: dict) -> dict:

@@ -14,6 +14,7 @@ from kaisoku.config import Config
 from kaisoku.data.datagen import generate
 from kaisoku.distributed.env import World
 from kaisoku.distributed.named_state import named_from_torch_optimizer_state, named_optimizer_state
+from kaisoku.distributed.sharded_checkpoint import read_whole
 from kaisoku.engine.build import build_trainer
 from kaisoku.engine.step import continue_schedule
 from kaisoku.errors import ConfigError
@@ -231,11 +232,11 @@ def test_checkpoints_move_between_pipeline_and_data_parallel_runs(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_sharded_pipeline_stages_write_one_file_that_resumes_on_data_parallel(
+def test_sharded_pipeline_stages_write_their_shards_that_resume_on_data_parallel(
     tmp_path: Path, tiny_data: Path
 ) -> None:
-    """pp 2 x shard 2 through build_trainer: the stages' shards are gathered into one whole-tensor checkpoint
-    (the hybrid engine's format), which a plain 2-rank data-parallel run resumes."""
+    """pp 2 x shard 2 through build_trainer: every rank writes its own stage's shards into a checkpoint folder
+    (keyed by the whole model's names), which a plain 2-rank data-parallel run resumes."""
     run_dir = tmp_path / "ppshard"
     sharded = run_ranks(
         _train_stages, 4, tmp_path / "a", tiny_data, run_dir, {"parallel__pp": 2, "parallel__shard": "full"}
@@ -243,25 +244,21 @@ def test_sharded_pipeline_stages_write_one_file_that_resumes_on_data_parallel(
     assert all(result["summary"]["steps"] == 3 for result in sharded)
     for result in sharded[1:]:
         assert_states_equal(result["model"], sharded[0]["model"])  # every rank gathers the same model
-    saved = _checkpoint(run_dir, 3)  # one file, not a folder of shards
-    assert_states_equal(saved["model"], sharded[0]["model"])
+    folder = run_dir / "checkpoints" / "step-00000003"  # a folder of shards, not one file
+    written = read_whole(folder, tmp_path / "whole.pt")["model"]
+    assert written.keys() == sharded[0]["model"].keys()
+    saved = {name: written[name] for name in sharded[0]["model"]}
+    assert_states_equal(saved, sharded[0]["model"])
     # The stages trained: the same 3 steps unsharded (pp 2 x dp 2) end at the same weights within fp32 noise.
     whole = run_ranks(_train_stages, 4, tmp_path / "w", tiny_data, tmp_path / "pp2dp2", {"parallel__pp": 2})
     for name, value in whole[0]["model"].items():
         torch.testing.assert_close(sharded[0]["model"][name], value, rtol=0, atol=1e-5, msg=name)
     assert any(not torch.equal(v, sharded[0]["initial"][k]) for k, v in sharded[0]["model"].items())
     resumed = run_ranks(
-        _train,
-        2,
-        tmp_path / "b",
-        tiny_data,
-        tmp_path / "dp2",
-        4,
-        str(run_dir / "checkpoints" / "step-00000003.pt"),
-        {"parallel__dp": 2},
+        _train, 2, tmp_path / "b", tiny_data, tmp_path / "dp2", 4, str(folder), {"parallel__dp": 2}
     )
     for result in resumed:
-        assert_states_equal(result["loaded"], saved["model"])
+        assert_states_equal(result["loaded"], saved)
         assert result["summary"]["steps"] == 4
 
 

@@ -14,10 +14,14 @@ import torch
 from kaisoku.errors import KaisokuError
 
 
-def named_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
+def named_optimizer_state(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], *, snapshot: bool = True
+) -> dict[str, Any]:
     """``optimizer.state_dict()`` with parameters named as in the full model instead of numbered.
 
-    Tensors are copied to the CPU, so the form is a snapshot that later steps do not change.
+    ``snapshot``: tensors are copied to the CPU, so the form is one that later steps do not change; without
+    it the form holds the optimizer's own tensors (DTensor shards stay shards), for a writer that copies or
+    writes them before the next step.
     """
     raw = optimizer.state_dict()
     index_to_name: dict[int, str] = {}
@@ -32,8 +36,9 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str
         # "param_names", which would be wrong for another layout's groups, so it is left out.
         hyper = {key: value for key, value in raw_group.items() if key not in ("params", "param_names")}
         groups.append({**hyper, "params": [index_to_name[i] for i in raw_group["params"]]})
+    copy = _snapshot if snapshot else _as_is
     state = {
-        index_to_name[i]: {key: _snapshot(value) for key, value in per_param.items()}
+        index_to_name[i]: {key: copy(value) for key, value in per_param.items()}
         for i, per_param in raw["state"].items()
     }
     return {"state": state, "param_groups": groups}
@@ -41,6 +46,10 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str
 
 def _snapshot(value: Any) -> Any:
     return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _as_is(value: Any) -> Any:
+    return value
 
 
 def load_named_optimizer_state(
@@ -126,3 +135,13 @@ def named_from_torch_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
         hyper = {key: value for key, value in group.items() if key not in ("params", "param_names")}
         groups.append({**hyper, "params": list(names)})
     return {"state": {index_to_name[i]: s for i, s in state["state"].items()}, "param_groups": groups}
+
+
+def with_param_names(named: dict[str, Any]) -> dict[str, Any]:
+    """A named form with each group listing its ``param_names`` too, as a sharded checkpoint holds it (what
+    torch's ``get_state_dict`` gives for an optimizer built from named parameters: the keys a reader's own
+    groups hold)."""
+    return {
+        "state": named["state"],
+        "param_groups": [{**group, "param_names": list(group["params"])} for group in named["param_groups"]],
+    }

@@ -9,8 +9,11 @@ all-reduce. A layout with ``pp == 1`` is plain data parallelism: the replica bat
 With ``HybridOptions.shard`` grad or full, each stage's blocks are instead sharded with FSDP2 over the
 stage's dp sub-group (:func:`kaisoku.distributed.sharding.shard_stage`): the stage trains a copy of its
 blocks whose parameters, gradients and optimizer state are shards, the gradients are reduce-scattered by
-FSDP after the last micro-batch, and the whole model (still held by every rank, for evaluation and the
-layout-independent checkpoint) is refreshed from the gathered shards whenever the full state is gathered.
+FSDP after the last micro-batch, and the whole model (still held by every rank, for evaluation and layout
+switches) is refreshed from the gathered shards whenever the full state is gathered. Such a layout checkpoints
+as the sharded data-parallel engine does: every rank writes its own stage's shards, keyed by the names of the
+whole model (:meth:`HybridParallel.sharded_state_dict`), and reads its own stage's pieces of a checkpoint
+written under any layout (:meth:`HybridParallel.load_sharded`).
 
 The loss of a step is the mean, over every replica and micro-batch, of ``loss_fn`` on that micro-batch;
 with a mean-reducing ``loss_fn`` and equal micro-batches that is the gradient of the whole global batch.
@@ -37,6 +40,7 @@ import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,8 +55,10 @@ from kaisoku.distributed.named_state import (
     load_named_optimizer_state,
     merge_named_optimizer_states,
     named_optimizer_state,
+    with_param_names,
 )
 from kaisoku.distributed.partition import measure_block_costs, parameter_costs, partition_blocks
+from kaisoku.distributed.sharded_checkpoint import read_named_shards
 from kaisoku.distributed.sharding import group_norm_reducer, shard_stage
 from kaisoku.errors import ConfigError, KaisokuError
 from kaisoku.models.blocks import check_blocks_cover, ordered_blocks, state_names
@@ -320,11 +326,12 @@ class HybridParallel:
         order = {name: i for i, name in enumerate(self._order)}
         return sorted(named, key=lambda item: order[item[0]])
 
-    def _stage_tensors(self) -> dict[str, torch.Tensor]:
-        """This rank's stage tensors by their names in the model (sharded parameters as DTensors)."""
+    def _stage_tensors(self, *, keep_vars: bool = True) -> dict[str, torch.Tensor]:
+        """This rank's stage tensors by their names in the model (sharded parameters as DTensors);
+        ``keep_vars`` False: detached views of them, which a load may write into."""
         tensors: dict[str, torch.Tensor] = {}
         for module, names in zip(self.stage_modules, self._stage_names):
-            for fqn, tensor in module.state_dict(keep_vars=True).items():
+            for fqn, tensor in module.state_dict(keep_vars=keep_vars).items():
                 if fqn in names:
                     tensors[names[fqn]] = tensor
         return tensors
@@ -543,6 +550,31 @@ class HybridParallel:
                     if name in shapes
                 },
             }
+        load_named_optimizer_state(self.optimizer, named, self._param_names)
+
+    def sharded_state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """``(model, optimizer)`` state of this rank's stage as a sharded checkpoint holds it
+        (:func:`kaisoku.distributed.sharded_checkpoint.sharded_state`'s keys): tensors named as in the whole
+        model, sharded parameters and their optimizer slots as this rank's DTensor shards (not copied), and
+        the parameter groups of every stage merged (the same on every rank, as one model's optimizer lists
+        them). A collective (the stages' groups are exchanged; buffers averaged over the replicas first)."""
+        self.sync_buffers()
+        tensors = self._stage_tensors(keep_vars=False)
+        named = named_optimizer_state(self.optimizer, self._param_names, snapshot=False)
+        stage_groups: list[Any] = [None] * self.layout.pp
+        dist.all_gather_object(stage_groups, named["param_groups"], group=self.mesh.pp_group)
+        parts = [{"state": {}, "param_groups": groups} for groups in stage_groups]
+        merged = merge_named_optimizer_states(parts, self._order)["param_groups"]
+        return tensors, with_param_names({"state": named["state"], "param_groups": merged})
+
+    def load_sharded(self, folder: str | Path) -> None:
+        """Read this rank's stage from the sharded checkpoint ``folder`` (written under any layout): its
+        tensors' pieces and its parameters' optimizer state, by name. A collective of every rank.
+
+        The whole ``model`` that every rank holds is refreshed at the next gather
+        (:meth:`full_state_dict`), as during training."""
+        parameters = {name: p for name, p in self.named_parameters}
+        named = read_named_shards(folder, self._stage_tensors(keep_vars=False), parameters)
         load_named_optimizer_state(self.optimizer, named, self._param_names)
 
     def close(self) -> None:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from kaisoku.distributed.named_state import is_named_optimizer_state
+from kaisoku.distributed.named_state import is_named_optimizer_state, with_param_names
 from kaisoku.errors import KaisokuError
 
 #: The file DCP writes last, once every rank's shards are in place: a folder without it is incomplete.
@@ -208,15 +208,68 @@ def _read_into(folder: str | Path, model: nn.Module, optimizer: Optimizer) -> tu
     """This model's and optimizer's state, read from the sharded checkpoint ``folder`` into their layout."""
     # The templates say which pieces this rank needs; an optimizer without state yet gets it by a
     # zero-learning-rate step inside get_state_dict (then overwritten here).
-    dcp = _dcp()
-    model_state, optimizer_state = dcp.state_dict.get_state_dict(model, optimizer)
+    model_state, optimizer_state = _dcp().state_dict.get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
+    _load(folder, state)
+    return state["model"], state["optimizer"]
+
+
+def _load(folder: str | Path, state: dict[str, Any]) -> None:
+    """Read what the template ``state`` holds from the sharded checkpoint ``folder``: tensors in place (a
+    DTensor: this rank's pieces), other values replaced. A collective; damage raises alike on every rank."""
+    dcp = _dcp()
     check_shard_files(folder)
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(folder))
     except dcp.api.CheckpointException as error:  # a BaseException; raised alike on every rank
         raise unreadable(folder, error) from None
-    return state["model"], state["optimizer"]
+
+
+#: How the optimizer's entries of a sharded checkpoint are keyed once DCP flattens them.
+_OPTIMIZER_STATE = "optimizer.state."
+_PARAM_GROUPS = "optimizer.param_groups."
+
+
+def read_named_shards(
+    folder: str | Path, tensors: dict[str, torch.Tensor], parameters: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """Read part of a model from the sharded checkpoint ``folder`` (written under any layout), by the names
+    that :func:`sharded_state` gives: ``tensors`` (weights and buffers by name; DTensor shards take this
+    rank's pieces) in place, and the optimizer state of ``parameters`` (by name), each slot laid out as its
+    parameter. Returns that optimizer state in the named form of :mod:`kaisoku.distributed.named_state`,
+    with every parameter group the checkpoint lists. A collective of every rank.
+
+    What is read is decided by the checkpoint's metadata, not by an optimizer's state (which need not exist
+    yet): a pipeline stage reads its own parameters' slots and nothing else."""
+    metadata, _ = _storage_files(Path(folder))
+    tensor_type = _dcp().metadata.TensorStorageMetadata
+    state: dict[str, Any] = {f"model.{name}": tensor for name, tensor in tensors.items()}
+    slots: dict[str, dict[str, str]] = {}  # parameter name -> slot -> key
+    for key, entry in metadata.state_dict_metadata.items():
+        if key.startswith(_PARAM_GROUPS):
+            state[key] = None  # a small object, replaced by the load
+        elif key.startswith(_OPTIMIZER_STATE):
+            name, _, slot = key[len(_OPTIMIZER_STATE) :].rpartition(".")
+            parameter = parameters.get(name)
+            if parameter is None:
+                continue
+            slots.setdefault(name, {})[slot] = key
+            if not isinstance(entry, tensor_type):
+                state[key] = None
+            elif tuple(entry.size) == tuple(parameter.shape):  # a slot the shape of its parameter: its layout
+                state[key] = torch.empty_like(parameter, dtype=entry.properties.dtype)
+            else:  # a scalar such as a step count: whole on every rank
+                state[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+    _load(folder, state)
+    groups: dict[int, dict[str, Any]] = {}
+    for key, value in state.items():
+        if key.startswith(_PARAM_GROUPS):
+            index, _, field = key[len(_PARAM_GROUPS) :].partition(".")
+            groups.setdefault(int(index), {})[field] = value
+    return {
+        "state": {name: {slot: state[key] for slot, key in per.items()} for name, per in slots.items()},
+        "param_groups": [groups[index] for index in sorted(groups)],
+    }
 
 
 def load_sharded(folder: str | Path, model: nn.Module, optimizer: Optimizer) -> None:
@@ -266,12 +319,7 @@ def load_full_into_sharded(
     layout-independent form (:mod:`kaisoku.distributed.named_state`: keyed by parameter name already, its
     groups merged over the stages; each parameter finds its group by name)."""
     if is_named_optimizer_state(optimizer_state):
-        named = {
-            "state": optimizer_state["state"],
-            "param_groups": [
-                {**group, "param_names": list(group["params"])} for group in optimizer_state["param_groups"]
-            ],
-        }
+        named = with_param_names(optimizer_state)
     else:
         named = named_optimizer_state(optimizer_state, optimizer, model)
     _dcp().state_dict.set_state_dict(

@@ -470,7 +470,7 @@ def build_trainer(
         checkpoints=CheckpointManager(
             run_dir / "checkpoints",
             keep=cfg.checkpoint.keep,
-            sharded=plan.sharded_engine,
+            sharded=plan.sharded_checkpoints,
             background=cfg.checkpoint.async_save,
         ),
         config_dict=to_dict(cfg),

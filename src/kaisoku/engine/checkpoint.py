@@ -1,10 +1,11 @@
 """Atomic checkpoints, the newest K kept, and resume from the newest valid one.
 
 Two kinds, told apart by their names: ``step-XXXXXXXX.pt``, one file written by rank 0 (data parallel,
-pipeline), and ``step-XXXXXXXX/``, a folder of shards every rank writes (``parallel.shard``: model and
-optimizer through :mod:`kaisoku.distributed.sharded_checkpoint`, the rest of the trainer's state in
-``trainer.pt`` by rank 0). A folder is written as ``.step-XXXXXXXX.tmp/`` and renamed once its metadata
-and ``trainer.pt`` are on disk, so a listed folder is always complete; older ones are removed only after.
+unsharded pipeline stages), and ``step-XXXXXXXX/``, a folder of shards every rank writes (``parallel.shard``,
+with or without pipeline stages: model and optimizer through :mod:`kaisoku.distributed.sharded_checkpoint`,
+the rest of the trainer's state in ``trainer.pt`` by rank 0). A folder is written as ``.step-XXXXXXXX.tmp/``
+and renamed once its metadata and ``trainer.pt`` are on disk, so a listed folder is always complete; older
+ones are removed only after.
 Shards may be written in the background while training goes on (``checkpoint.async_save``): the folder is
 then renamed when the next save, a rollback or the end of training finds the write complete.
 Either kind loads into any engine.

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kaisoku.distributed.named_state import named_from_torch_optimizer_state
+from kaisoku.distributed.named_state import named_from_torch_optimizer_state, with_param_names
 from kaisoku.distributed.sharded_checkpoint import read_whole, write_whole
 from kaisoku.engine.checkpoint import CheckpointManager, remove, write_trainer_file
 from kaisoku.errors import ConfigError, KaisokuError
@@ -42,15 +42,6 @@ def named_optimizer_state(numbered: dict[str, Any]) -> dict[str, Any]:
     """``Optimizer.state_dict()`` in the form a sharded checkpoint holds it: parameters named, each group
     still listing its ``param_names`` (what the reading optimizer's own groups hold)."""
     return with_param_names(named_from_torch_optimizer_state(numbered))
-
-
-def with_param_names(named: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer state keyed by parameter name with each group listing its ``param_names`` too (what the
-    reading optimizer's own groups hold), as a sharded checkpoint holds it."""
-    return {
-        "state": named["state"],
-        "param_groups": [{**group, "param_names": list(group["params"])} for group in named["param_groups"]],
-    }
 
 
 def convert_checkpoint(source: Path, destination: Path) -> str:

@@ -6,8 +6,9 @@ trainer's :class:`~kaisoku.engine.step.StepEngine`: one step on a replica batch,
 the schedule says so (with the learning-rate schedule carried over), the gathered model for validation,
 and checkpoints in the layout-independent form (the model's own ``state_dict`` names, an optimizer state
 keyed by the same names), so a run saved under one layout resumes under any other, DDP included. With
-``HybridOptions.shard`` each stage's blocks are sharded over the stage's replicas; the checkpoint is still
-the gathered, whole form.
+``HybridOptions.shard`` each stage's blocks are sharded over the stage's replicas, and the checkpoint is a
+sharded folder instead: every rank writes its own stage's shards under the whole model's names (the keys a
+sharded data-parallel run writes) and reads its own stage's pieces of a folder written under any layout.
 
 The data follows the dp axis: the sampler's shard is the replica index and its shard count the replica
 count, so every rank of a pipeline reads its replica's batch; the global batch stays fixed whatever the
@@ -28,6 +29,7 @@ from kaisoku.distributed.layout import ParallelLayout, SwitchSchedule
 from kaisoku.distributed.mesh import ParallelMesh, build_mesh
 from kaisoku.distributed.named_state import is_named_optimizer_state, named_from_torch_optimizer_state
 from kaisoku.distributed.pipeline import HybridOptions, HybridParallel, LossFn, OptimizerFactory
+from kaisoku.distributed.sharding import local_weights_finite
 from kaisoku.distributed.switch import switch_layout
 from kaisoku.engine.step import MicroBatches, Precision, continue_schedule
 
@@ -83,6 +85,11 @@ class HybridStep:
         )
         self.scheduler = scheduler_factory(self.parallel.optimizer)
         self.reshard(self.parallel.dp_index, self.parallel.dp_size)
+
+    @property
+    def reads_sharded_checkpoints(self) -> bool:
+        """Sharded stages read sharded checkpoint folders themselves (the trainer need not gather them)."""
+        return self.parallel.sharded
 
     @property
     def layout(self) -> ParallelLayout:
@@ -150,8 +157,25 @@ class HybridStep:
         self.parallel.full_state_dict()
         return self.model
 
+    def weights_finite(self) -> torch.Tensor:
+        """Whether this rank's stage weights (its shards, when sharded) and buffers are finite: what it trains
+        and checkpoints; the whole model is only refreshed at a gather (the trainer agrees over ranks)."""
+        finite = [local_weights_finite(module) for module in self.parallel.stage_modules]
+        return torch.stack(finite).all()
+
     def state_dict(self) -> dict[str, Any]:
-        """The layout-independent form: ``model``, named ``optimizer``, ``layout``; plus the scheduler."""
+        """The layout-independent form: ``model``, named ``optimizer``, ``layout``; plus the scheduler.
+
+        Sharded stages: ``model`` and ``optimizer`` are this rank's stage shards as a sharded checkpoint holds
+        them (every rank writes its own), with no ``layout``: the folder reads as any sharded run's."""
+        if self.parallel.sharded:
+            model_state, optimizer_state = self.parallel.sharded_state_dict()
+            return {
+                "model": model_state,
+                "optimizer": optimizer_state,
+                "scheduler": self._whole_model_schedule(optimizer_state["param_groups"]),
+                "scaler": self.precision.scaler.state_dict(),
+            }
         full = self.parallel.full_state_dict()
         return {
             "model": full["model"],
@@ -161,8 +185,24 @@ class HybridStep:
             "scaler": self.precision.scaler.state_dict(),
         }
 
+    def _whole_model_schedule(self, groups: list[dict[str, Any]]) -> dict[str, Any]:
+        """The scheduler's state as one optimizer with every stage's ``groups`` holds it: this rank's stage
+        may hold fewer groups, and a reader under another layout loads it into all of its own."""
+        return {
+            **self.scheduler.state_dict(),
+            "base_lrs": [group["initial_lr"] for group in groups],
+            "_last_lr": [group["lr"] for group in groups],
+            "lr_lambdas": [None] * len(groups),
+        }
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a model and optimizer state saved under any layout (or by DDP); the schedule goes on at the step."""
+        """Load a model and optimizer state saved under any layout (or by DDP); the schedule goes on at the
+        step. A sharded checkpoint folder (``sharded_dir``, given to sharded stages only) is read by each rank
+        for its own stage."""
+        if "sharded_dir" in state:
+            self.parallel.load_sharded(state["sharded_dir"])
+            continue_schedule(self.scheduler, int(state["step"]))
+            return
         optimizer_state = state["optimizer"]
         named = (
             optimizer_state

@@ -131,8 +131,8 @@ class ShardedStep:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a sharded checkpoint (any shard layout or world size) or a single-file one: data-parallel, or a
-        pipeline run's (whole tensors, optimizer state keyed by parameter name), sharded or not."""
+        """Load a sharded checkpoint (any layout or world size, pipeline stages included) or a single-file
+        one: data-parallel, or a pipeline run's (whole tensors, optimizer state keyed by parameter name)."""
         if "sharded_dir" in state:
             load_sharded(state["sharded_dir"], self._model, self._optimizer)
         else:
