@@ -47,7 +47,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kaisoku.distributed.layout import check_schedule
 from kaisoku.distributed.mesh import ParallelMesh
@@ -59,7 +58,13 @@ from kaisoku.distributed.named_state import (
 )
 from kaisoku.distributed.partition import measure_block_costs, parameter_costs, partition_blocks
 from kaisoku.distributed.sharded_checkpoint import read_named_shards
-from kaisoku.distributed.sharding import group_norm_reducer, shard_stage
+from kaisoku.distributed.sharding import (
+    group_norm_reducer,
+    local_part,
+    placed_like,
+    shard_stage,
+    whole_tensor,
+)
 from kaisoku.errors import ConfigError, KaisokuError
 from kaisoku.models.blocks import check_blocks_cover, ordered_blocks, state_names
 
@@ -447,7 +452,7 @@ class HybridParallel:
         grads = [p.grad for _, p in self.named_parameters if p.grad is not None]
         squares = torch.zeros(1, dtype=torch.float64)
         for grad in grads:
-            squares += _local(grad).detach().double().pow(2).sum().cpu()
+            squares += local_part(grad).detach().double().pow(2).sum().cpu()
         if self.sharded and self.layout.dp > 1:  # each rank holds a shard of its stage's gradients
             dist.all_reduce(squares, group=self.mesh.dp_group)
         if self.layout.pp > 1:
@@ -499,11 +504,11 @@ class HybridParallel:
         mine: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
         if self.sharded:
             # Gathering shards is a collective of the stage's dp sub-group: every replica takes part.
-            tensors = {name: _whole(t, self.device) for name, t in self._stage_tensors().items()}
+            tensors = {name: whole_tensor(t, self.device) for name, t in self._stage_tensors().items()}
             named = named_optimizer_state(self.optimizer, self._param_names)
             for per_param in named["state"].values():
                 for key, value in per_param.items():
-                    per_param[key] = _whole(value, self.device)
+                    per_param[key] = whole_tensor(value, self.device)
             if self.dp_index == 0:
                 mine = (tensors, named)
         elif self.dp_index == 0:
@@ -534,14 +539,14 @@ class HybridParallel:
             for module, names in zip(self.stage_modules, self._stage_names):
                 current = module.state_dict()
                 module.load_state_dict(
-                    {fqn: _placed_like(state["model"][name], current[fqn]) for fqn, name in names.items()}
+                    {fqn: placed_like(state["model"][name], current[fqn]) for fqn, name in names.items()}
                 )
             shapes = {name: p for name, p in self.named_parameters}
             named = {
                 "param_groups": named["param_groups"],
                 "state": {
                     name: {
-                        key: _placed_like(value, shapes[name])
+                        key: placed_like(value, shapes[name])
                         if isinstance(value, torch.Tensor) and value.shape == shapes[name].shape
                         else value
                         for key, value in per_param.items()
@@ -585,29 +590,3 @@ class HybridParallel:
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.model.parameters():
             p.grad = None
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of ``tensor`` (its local shard for a DTensor)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _whole(value: Any, device: torch.device) -> Any:
-    """``value`` as a whole CPU tensor: a DTensor gathered over its mesh (a collective), on ``device`` first
-    since the gather runs over the mesh's own backend; other values as they are, tensors copied."""
-    if isinstance(value, DTensor):
-        return value.to(device).full_tensor().detach().cpu().clone()
-    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
-
-
-def _placed_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``whole`` laid out as ``like``: this rank's shard of it for a DTensor (cut locally, no communication)."""
-    if not isinstance(like, DTensor):
-        return whole
-    local = _local(like)
-    return distribute_tensor(
-        whole.to(device=local.device, dtype=local.dtype),
-        like.device_mesh,
-        like.placements,
-        src_data_rank=None,
-    )

@@ -18,13 +18,14 @@ ranks (a 1-D mesh), and :func:`group_norm_reducer` sums the norms over that grou
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kaisoku.errors import KaisokuError
 from kaisoku.models.blocks import ordered_blocks
@@ -214,3 +215,29 @@ def local_weights_finite(model: nn.Module) -> torch.Tensor:
     if not tensors:
         return torch.ones((), dtype=torch.bool)
     return torch.isfinite(torch.stack(torch._foreach_norm(tensors)).float()).all()
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``tensor`` (its local shard for a DTensor)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def whole_tensor(value: Any, device: torch.device) -> Any:
+    """``value`` as a whole CPU tensor: a DTensor gathered over its mesh (a collective), on ``device`` first
+    since the gather runs over the mesh's own backend; other values as they are, tensors copied."""
+    if isinstance(value, DTensor):
+        return value.to(device).full_tensor().detach().cpu().clone()
+    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+
+
+def placed_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``whole`` laid out as ``like``: this rank's shard of it for a DTensor (cut locally, no communication)."""
+    if not isinstance(like, DTensor):
+        return whole
+    local = local_part(like)
+    return distribute_tensor(
+        whole.to(device=local.device, dtype=local.dtype),
+        like.device_mesh,
+        like.placements,
+        src_data_rank=None,
+    )
