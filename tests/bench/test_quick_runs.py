@@ -74,7 +74,9 @@ GOALS: dict[str, set[str]] = {
     "vit": {
         "val_accuracy",
         "seconds_to_60pct",
-        "switch_accuracy_gap_in_dp_stds",
+        "switch_val_accuracy",
+        "switch_seconds_to_60pct",
+        "switch_accuracy_gap_points",
         "bubble_1f1b_worst_relative_gap",
     },
     "cosmoflow": {

@@ -277,3 +277,38 @@ def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> l
     if len(numerator) != len(denominator):
         raise ValueError(f"paired_ratios: {len(numerator)} against {len(denominator)} values")
     return [a / b if b else math.nan for a, b in zip(numerator, denominator)]
+
+
+def paired_gap_std(disagreement: float, samples: int) -> float:
+    """The standard deviation, from validation sampling alone, of the accuracy gap between two models scored
+    on the same ``samples`` images: ``sqrt(d / n)`` for a fraction ``d`` of the images that exactly one of
+    the two classifies correctly (a fraction, as the accuracies are). One model's accuracy alone spreads by
+    the binomial ``sqrt(p (1 - p) / n)``; on the same images the images both get right or wrong cancel."""
+    if samples <= 0:
+        raise ValueError(f"paired_gap_std needs a positive number of samples, not {samples}")
+    return math.sqrt(disagreement / samples)
+
+
+def seeds_for_half_width(std: float, half_width: float) -> int:
+    """Seeds whose mean has a normal-approximation 95% interval narrower than ``half_width`` on each side
+    (``1.96 std / sqrt(k) < half_width``), for per-seed values that spread by ``std``; at least 2."""
+    if half_width <= 0:
+        raise ValueError(f"seeds_for_half_width needs a positive half-width, not {half_width}")
+    return max(2, math.floor((1.959964 * std / half_width) ** 2) + 1)
+
+
+def resolution(entry: dict[str, Any], half_width: float) -> dict[str, Any]:
+    """Whether a goal entry over seeds could tell its goal apart from no gap at all: its interval's
+    ``interval_half_width`` against ``half_width`` (the goal's distance from 0), the per-seed spread
+    ``seed_std`` and the ``seeds_needed`` for an interval that narrow at that spread. Empty without an
+    interval."""
+    if "interval" not in entry or len(entry.get("samples", [])) < 2:
+        return {}
+    low, high = entry["interval"]
+    std = float(np.std(entry["samples"], ddof=1))
+    return {
+        "interval_half_width": _round((high - low) / 2.0),
+        "resolves_goal": bool((high - low) / 2.0 < half_width),
+        "seed_std": _round(std),
+        "seeds_needed": seeds_for_half_width(std, half_width),
+    }
