@@ -1,12 +1,13 @@
 """``kaisoku bench slowfs``: a slow shared file system (sshfs from the storage host of a cluster in a box, over a capped, delayed link): kaisoku's training
 data path against random per-file reads and the packed peers.
 
-Rows: per-file reads (:mod:`kaisoku.bench.slowfs_readers`), kaisoku's ``ShardLoader`` as ``kaisoku train``
-builds it under the global, block and partial shuffles, and the packed peers
-(:mod:`kaisoku.bench.slowfs_peers`) on the mount of :mod:`kaisoku.bench.netfs`; every figure is the median
-of :data:`REPEATS` runs from empty caches; rows and goals are :mod:`kaisoku.bench.slowfs_rows`. Setup,
-goals and limits: ``benchmarks/README.md``, section slowfs. Without root, sshfs or sshd every goal is
-recorded unmet with the reason.
+Rows: per-file reads (:mod:`kaisoku.bench.slowfs_readers`; the threaded reader's thread count tuned per
+group, :func:`tune_threads`), kaisoku's ``ShardLoader`` as ``kaisoku train`` builds it under the global,
+block and partial shuffles (and once with a node cache smaller than the set, :class:`Undersized`), and the
+packed peers (:mod:`kaisoku.bench.slowfs_peers`) on the mount of :mod:`kaisoku.bench.netfs`; every
+figure is the median of :data:`REPEATS` runs from empty caches; rows and goals are
+:mod:`kaisoku.bench.slowfs_rows`. Setup, goals and limits: ``benchmarks/README.md``, section slowfs.
+Without root, sshfs or sshd every goal is recorded unmet with the reason.
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ class Undersized:
     set ``set_name``.
 
     The set is repacked in shards of ``shard_bytes`` so that a block's shards fit the folder and no access
-    bypasses it: a bypassed shard is read whole by the reader, which keeps such copies (up to 256 MiB a
-    process), so with the sets' own large shards the reader's copies would hold the whole set."""
+    bypasses it: with the set's own 8 MiB shards a block of 4 is about half the set, the plan bypasses
+    accesses, and the readers read those from the source unless they still hold a copy (up to 256 MiB a
+    process), which makes the count inexact."""
 
     shuffle: str = "block"
     fraction: float = 0.5
@@ -145,8 +147,8 @@ def part_b(
         try:
             for number, setting in enumerate(settings):
                 mount.configure(setting)
-                if number == 1:
-                    plan = replace(plan, undersized=None)  # the first link's groups only
+                if number == 1:  # the undersized row runs in the first link's group only
+                    plan = replace(plan, undersized=None)
                 for slow in slow_sets:
                     if time.monotonic() > deadline:
                         notes.append(f"time budget spent before {setting.label()} {slow.image_set.name}")

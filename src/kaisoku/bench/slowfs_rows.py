@@ -167,7 +167,7 @@ def cache_runs(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                         "reader_reads",
                         "planned_bypasses",
                     )
-                },  # fmt: skip
+                },
                 "source_reads_e2": sum(int(r["source_reads"]) for r in epoch2),
                 "planned_reads_e2": sum(int(r.get("planned_reads", 0)) for r in epoch2),
                 "evictions_e1": sum(int(r.get("evictions", 0)) for r in epochs if r["epoch"] == 0),
