@@ -27,11 +27,11 @@ GOALS: dict[str, set[str]] = {
         "gpu_decode_vs_host_64px-rrc",
     },
     "slowfs": {
-        "kaisoku_global_io_vs_8readers_1G_2msRTT_64px",
-        "kaisoku_block_io_vs_8readers_1G_2msRTT_64px",
-        "kaisoku_partial_io_vs_8readers_1G_2msRTT_64px",
+        "kaisoku_global_io_vs_tuned_perfile_1G_2msRTT_64px",
+        "kaisoku_block_io_vs_tuned_perfile_1G_2msRTT_64px",
+        "kaisoku_partial_io_vs_tuned_perfile_1G_2msRTT_64px",
         "kaisoku_io_vs_ceiling_min",
-        "kaisoku_epoch2_source_reads_max",
+        "kaisoku_rereads_minus_evicted_undersized_cache",
         "kaisoku_vs_best_packed_peer",
     },
     "optim": {

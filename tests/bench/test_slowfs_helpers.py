@@ -10,10 +10,28 @@ import numpy as np
 import pytest
 
 from kaisoku.bench.plan import measure_cell
-from kaisoku.bench.slowfs_readers import CacheDirs, EncodedSize, merge_nodes, node_loader, read_files
-from kaisoku.bench.slowfs_rows import finish_group, kaisoku_row, peer_goal, peer_row, perfile_row, summary_b
+from kaisoku.bench.slowfs import ThreadGrid, tune_threads
+from kaisoku.bench.slowfs_readers import (
+    CacheDirs,
+    EncodedSize,
+    cache_plan_reads,
+    merge_nodes,
+    node_loader,
+    read_files,
+)
+from kaisoku.bench.slowfs_rows import (
+    cache_runs,
+    finish_group,
+    kaisoku_row,
+    peer_goal,
+    peer_row,
+    perfile_row,
+    rereads_goal,
+    summary_b,
+)
 from kaisoku.data.datagen import generate
 from kaisoku.data.loading.dataset import ShardedDataset
+from kaisoku.data.node_cache.staging import CacheEvent
 from kaisoku.data.order.shuffle import ShuffleSpec
 from kaisoku.data.shards.writer import pack
 
@@ -196,3 +214,190 @@ def test_plan_cell_times_two_epochs_of_the_slowest_node(tiny_pack: Path, tmp_pat
     """A staged cell of ``kaisoku bench plan`` on 2 gloo ranks (each a node with its own cache), unthrottled."""
     seconds = measure_cell("partial-Q0.25", 2, tiny_pack, [], tmp_path)
     assert len(seconds) == 2 and all(s > 0 for s in seconds)
+
+
+# ------------------------------------------------------------------ the tuned per-file baseline
+
+
+def _tuned_group(grid_rates: dict[int, float], kaisoku_rates: list[float]) -> list[dict[str, Any]]:
+    """The reference group: a per-file row tuned over ``grid_rates`` (threads -> files/s, through
+    tune_threads and perfile_row) and a kaisoku global row whose epoch-1 I/O runs give ``kaisoku_rates``."""
+    tuned = tune_threads(
+        ThreadGrid(threads=(4, 8, 16, 32, 64), extend_limit=2),
+        lambda n: {"threads": n, "files": 1, "seconds": 1.0, "files_per_s": grid_rates.get(n, 0.0)},
+    )
+    best = grid_rates[tuned["threads_tuned"]]
+    times = [1000 / best * f for f in (0.99, 1.0, 1.01)]
+    timings = {("io", 0): times, ("io", 1): times, ("e2e", 0): times, ("e2e", 1): times}
+    perfile = perfile_row(
+        BASE, f"{tuned['threads_tuned']} threads", timings, files=1000, nbytes=4_000_000, set_files=20000,
+        rate_bytes=1.25e8, quality=1.0, grid=tuned,
+    )  # fmt: skip
+    seconds = [1000 / rate for rate in kaisoku_rates]  # 1,000 samples per epoch
+    kaisoku = kaisoku_row(
+        BASE, "global", "global", _kaisoku_records(seconds), quality=1.0, nbytes=1_100_000, rate_bytes=1.25e8
+    )
+    finish_group([perfile, kaisoku], [100e6] * 3)
+    return [perfile, kaisoku]
+
+
+def test_the_tuned_baseline_is_the_grid_optimum_with_neighbours_falling_off_on_each_side() -> None:
+    rates = {4: 300.0, 8: 600.0, 16: 1000.0, 32: 900.0, 64: 500.0}
+    rows = _tuned_group(rates, [20000.0, 20100.0, 19900.0])
+    perfile = rows[0]
+    assert perfile["threads_tuned"] == 16 and perfile["threads_inside"] is True
+    assert perfile["row"] == "per-file random reads, 16 threads (tuned)"
+    assert [p["threads"] for p in perfile["thread_grid"]] == [4, 8, 16, 32, 64]
+    entry = summary_b(rows)["kaisoku_global_io_vs_tuned_perfile_1G_2msRTT_64px"]
+    assert entry["value"] == pytest.approx(20.0, rel=0.02) and entry["perfile_threads"] == 16
+    assert entry["met"] is True
+
+
+def test_a_one_sided_thread_grid_leaves_the_10x_goal_unmet_whatever_the_ratio() -> None:
+    rates = {4: 100.0, 8: 200.0, 16: 400.0, 32: 800.0, 64: 1000.0, 128: 1100.0, 256: 1200.0}
+    rows = _tuned_group(rates, [24000.0, 24100.0, 23900.0])
+    perfile = rows[0]
+    assert perfile["threads_tuned"] == 256 and perfile["threads_inside"] is False
+    assert [p["threads"] for p in perfile["thread_grid"]] == [4, 8, 16, 32, 64, 128, 256]  # 2 extensions
+    entry = summary_b(rows)["kaisoku_global_io_vs_tuned_perfile_1G_2msRTT_64px"]
+    assert entry["value"] == pytest.approx(20.0, rel=0.02)
+    assert entry["met"] is False and "not tuned" in entry["reason"] and "256: 1200" in entry["reason"]
+
+
+def test_the_thread_grid_extends_downwards_and_stops_at_one_thread() -> None:
+    rates = {1: 400.0, 2: 350.0, 4: 300.0, 8: 200.0, 16: 100.0, 32: 50.0, 64: 20.0}
+    tuned = tune_threads(
+        ThreadGrid(extend_limit=3),
+        lambda n: {"threads": n, "files": 1, "seconds": 1.0, "files_per_s": rates[n]},
+    )
+    # 1 thread is best; below it no thread reads nothing (0 files/s, not measured): the lower side falls off
+    assert tuned["threads_tuned"] == 1 and tuned["threads_inside"] is True
+    assert [p["threads"] for p in tuned["thread_grid"]] == [1, 2, 4, 8, 16, 32, 64]
+
+
+# ------------------------------------------------------------------ the undersized node cache
+
+
+def _events(*items: tuple[int, str, str, int, int]) -> list[tuple[int, str, CacheEvent]]:
+    """(epoch, tier, kind, position, shard) -> the stager log's (epoch, tier, event)."""
+    return [(epoch, tier, CacheEvent(position, kind, shard)) for epoch, tier, kind, position, shard in items]
+
+
+def test_cache_plan_reads_counts_first_reads_rereads_of_evicted_shards_and_bypasses() -> None:
+    sizes = [100, 200, 300, 400]
+    log = _events(
+        (0, "local", "load", 0, 0),
+        (0, "local", "load", 1, 1),
+        (0, "local", "evict", 2, 0),
+        (0, "local", "load", 2, 2),
+        (0, "local", "bypass", 3, 3),  # read by the reader from the source
+        (1, "local", "evict", 0, 1),
+        (1, "local", "load", 0, 0),  # re-read: evicted in epoch 0
+        (1, "local", "bypass", 1, 3),
+    )
+    plan = cache_plan_reads(log, sizes)
+    assert plan[0] == {
+        "planned_reads": 4, "planned_bytes": 1000, "planned_bypasses": 1, "evictions": 1, "evicted_bytes": 100,
+    }  # fmt: skip
+    assert plan[1] == {
+        "planned_reads": 2, "planned_bytes": 500, "planned_bypasses": 1, "evictions": 1, "evicted_bytes": 200,
+    }  # fmt: skip
+
+
+def test_cache_plan_reads_counts_a_shard_once_across_tiers() -> None:
+    sizes = [10, 20, 30]
+    log = _events(
+        (0, "local", "load", 0, 0),
+        (0, "ram", "load", 0, 0),  # copied from the local tier: no source read
+        (0, "ram", "load", 1, 1),  # not held locally: read from the source
+        (0, "ram", "evict", 2, 0),  # still held locally: not evicted from the node
+        (0, "local", "bypass", 2, 1),  # RAM holds it: no read
+        (0, "local", "bypass", 3, 2),
+        (0, "ram", "bypass", 3, 2),  # both tiers bypass it: one read by the reader
+    )
+    assert cache_plan_reads(log, sizes)[0] == {
+        "planned_reads": 3, "planned_bytes": 60, "planned_bypasses": 1, "evictions": 0, "evicted_bytes": 0,
+    }  # fmt: skip
+
+
+def _undersized_rows(
+    *, e2_source_reads: int, e2_planned_reads: int, bypasses: int = 0
+) -> list[dict[str, Any]]:
+    """A row of two runs whose epoch 1 read each of 10 shards of 100 bytes once and evicted 4, and whose
+    epoch 2 read ``e2_source_reads`` shards (the loader's count) where the plan re-read
+    ``e2_planned_reads``."""
+    records = []
+    for repeat in range(2):
+        for epoch, (counted, planned, evicted) in enumerate(
+            [(10, 10, 4), (e2_source_reads, e2_planned_reads, 4)]
+        ):
+            records.append(
+                {
+                    "repeat": repeat, "mode": "io", "epoch": epoch, "source_reads": counted,
+                    "source_bytes": 100 * counted, "planned_reads": planned, "planned_bytes": 100 * planned,
+                    "planned_bypasses": bypasses if epoch else 0, "evictions": evicted,
+                    "evicted_bytes": 100 * evicted, "stager_reads": 0, "reader_reads": 0,
+                }
+            )  # fmt: skip
+    row = {**BASE, "row": "kaisoku block, node cache 0.5 of the set", "cache_runs": cache_runs(records)}
+    return [row]
+
+
+def test_rereads_equal_to_the_evictions_meet_the_goal() -> None:
+    entry = rereads_goal(_undersized_rows(e2_source_reads=4, e2_planned_reads=4))
+    assert entry["value"] == 0 and entry["met"] is True and "exact" in entry
+    run = next(iter(entry["per_run"].values()))
+    assert run["source_reads_e2"] == 4 and run["evictions_e1"] == 4 and run["source_reads"] == 14
+
+
+def test_an_epoch2_reread_that_differs_from_the_evictions_fails_the_goal() -> None:
+    entry = rereads_goal(_undersized_rows(e2_source_reads=6, e2_planned_reads=4))  # 2 held shards re-read
+    assert entry["met"] is False and entry["value"] == 200 and entry["signed_difference_bytes"] == 200
+    assert "reason" not in entry  # judged, not excused
+    fewer = rereads_goal(_undersized_rows(e2_source_reads=3, e2_planned_reads=4))
+    assert fewer["met"] is False and fewer["signed_difference_bytes"] == -100
+
+
+def test_the_rereads_goal_is_unmet_when_the_check_could_not_fail_or_count_exactly() -> None:
+    idle = rereads_goal(_undersized_rows(e2_source_reads=0, e2_planned_reads=0))
+    assert idle["met"] is False and "could not fail" in idle["reason"]
+    bypassed = rereads_goal(_undersized_rows(e2_source_reads=4, e2_planned_reads=4, bypasses=1))
+    assert bypassed["met"] is False and "bypassed" in bypassed["reason"]
+    missing = rereads_goal([], "setup unavailable: no sshfs")
+    assert missing["met"] is False and "no sshfs" in missing["reason"]
+
+
+@pytest.fixture(scope="module")
+def long_pack(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """16 steps of 256 samples over ~10 shards: a block (one shard) spans steps, as in the benchmark."""
+    root = tmp_path_factory.mktemp("slowfs-long")
+    images = generate(root / "shapes", count=4096, size=8, val_count=0, workers=1)
+    pack(images / "train", root / "pack", shard_bytes="256KiB", overwrite=True, progress=False, seed=0)
+    return root / "pack"
+
+
+@pytest.mark.timeout(180)
+def test_the_stager_reads_exactly_what_its_logged_plan_loads_under_an_undersized_cache(
+    long_pack: Path, tmp_path: Path
+) -> None:
+    nbytes = ShardedDataset(long_pack, decode_images=False).index.nbytes
+    dirs = CacheDirs(ram=tmp_path / "ram", local=tmp_path / "local", capacity=nbytes // 2, ram_capacity=0)
+    spec = ShuffleSpec(name="block", block_shards=1)
+    loader = node_loader(str(long_pack), spec, dirs, rank=0, world_size=1, mode="io", size=8)
+    loader.connect(run_token="undersized")
+    try:
+        for epoch in range(2):
+            loader.set_epoch(epoch, 0)
+            for _ in loader:
+                pass
+        assert loader.cache is not None and loader.cache.wait_staged(1, timeout=60.0)
+        plan = cache_plan_reads(
+            loader.cache.stager_log, [p.stat().st_size for p in loader.cache.source_paths]
+        )
+        stager_reads = loader.cache.stager_stats()["source_reads"]
+    finally:
+        loader.close()
+    loads = sum(e["planned_reads"] - e["planned_bypasses"] for e in plan.values())
+    shards = len(ShardedDataset(long_pack, decode_images=False).index.shards)
+    assert stager_reads == loads
+    assert loads > shards and plan[1]["evictions"] + plan[0]["evictions"] > 0  # it re-read what it evicted

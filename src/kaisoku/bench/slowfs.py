@@ -1,12 +1,13 @@
 """``kaisoku bench slowfs``: a slow shared file system (sshfs from the storage host of a cluster in a box, over a capped, delayed link): kaisoku's training
 data path against random per-file reads and the packed peers.
 
-Rows: per-file reads (:mod:`kaisoku.bench.slowfs_readers`), kaisoku's ``ShardLoader`` as ``kaisoku train``
-builds it under the global, block and partial shuffles, and the packed peers
-(:mod:`kaisoku.bench.slowfs_peers`) on the mount of :mod:`kaisoku.bench.netfs`; every figure is the median
-of :data:`REPEATS` runs from empty caches; rows and goals are :mod:`kaisoku.bench.slowfs_rows`. Setup,
-goals and limits: ``benchmarks/README.md``, section slowfs. Without root, sshfs or sshd every goal is
-recorded unmet with the reason.
+Rows: per-file reads (:mod:`kaisoku.bench.slowfs_readers`; the threaded reader's thread count tuned per
+group, :func:`tune_threads`), kaisoku's ``ShardLoader`` as ``kaisoku train`` builds it under the global,
+block and partial shuffles (and once with a node cache smaller than the set, :class:`Undersized`), and the
+packed peers (:mod:`kaisoku.bench.slowfs_peers`) on the mount of :mod:`kaisoku.bench.netfs`; every
+figure is the median of :data:`REPEATS` runs from empty caches; rows and goals are
+:mod:`kaisoku.bench.slowfs_rows`. Setup, goals and limits: ``benchmarks/README.md``, section slowfs.
+Without root, sshfs or sshd every goal is recorded unmet with the reason.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,16 @@ from kaisoku.bench.imagesets import (
     image_set,
     log,
 )
-from kaisoku.bench.slowfs_readers import CacheDirs, KaisokuRun, kaisoku_epochs, perfile_epoch
-from kaisoku.bench.slowfs_rows import finish_group, kaisoku_row, peer_row, perfile_row, summary_b
+from kaisoku.bench.slowfs_readers import CacheDirs, KaisokuRun, kaisoku_epochs, perfile_epoch, perfile_window
+from kaisoku.bench.slowfs_rows import (
+    finish_group,
+    kaisoku_row,
+    peer_row,
+    perfile_row,
+    summary_b,
+    undersized_row,
+)
+from kaisoku.bench.training import tune
 from kaisoku.data.order.quality import shuffle_quality
 from kaisoku.data.order.sampler import EpochSampler
 from kaisoku.data.order.shuffle import ShuffleSpec, epoch_order
@@ -50,6 +59,38 @@ SPECS = {
     "partial": ShuffleSpec(name="partial", exchange=0.25, num_nodes=2),
 }
 """kaisoku's rows: the shuffle of each (the partial one on 2 nodes)."""
+TUNED = "tuned threads"
+"""The per-file reader whose thread count is tuned over a :class:`ThreadGrid` in each group."""
+
+
+@dataclass(frozen=True)
+class ThreadGrid:
+    """How the tuned per-file reader's thread count is chosen in each group: one timed window of random
+    per-file reads (:func:`~kaisoku.bench.slowfs_readers.perfile_window`) per thread count of ``threads``,
+    extended by :func:`kaisoku.bench.training.tune`'s rule (up to ``extend_limit`` more points, doubling or
+    halving) until the best has a tried lower and a tried higher neighbour falling off."""
+
+    threads: tuple[int, ...] = (4, 8, 16, 32, 64)
+    extend_limit: int = 3
+    window_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class Undersized:
+    """The row whose node cache holds less than the set: kaisoku under ``shuffle`` with a node-local
+    folder of ``fraction`` of the set's bytes and no RAM tier, I/O runs, in the first link's group of the
+    set ``set_name``.
+
+    The set is repacked in shards of ``shard_bytes`` so that a block's shards fit the folder and no access
+    bypasses it: with the set's own 8 MiB shards a block of 4 is about half the set, the plan bypasses
+    accesses, and the readers read those from the source unless they still hold a copy (up to 256 MiB a
+    process), which makes the count inexact."""
+
+    shuffle: str = "block"
+    fraction: float = 0.5
+    shard_bytes: str = "1MiB"
+    set_name: str = "64px"
+    """The set it runs on (the 400px set's 1,024 samples give blocks of about a step: its plan bypasses)."""
 
 
 @dataclass(frozen=True)
@@ -72,14 +113,17 @@ def part_b(
     ceiling_bytes: int,
     budget_s: float,
     repeats: int = REPEATS,
-    readers: Sequence[str] = ("2 workers", "8 threads"),
+    readers: Sequence[str] = ("2 workers", TUNED),
     shuffles: Sequence[str] = ("global", "block", "partial"),
     peers: Sequence[str] = slowfs_peers.PEERS,
+    grid: ThreadGrid = ThreadGrid(),
+    undersized: Undersized | None = Undersized(),
 ) -> tuple[list[dict], dict, list[str]]:
     """Rows, summary entries and notes of the slow-file-system rows (the setup must be available).
 
-    ``readers``: the per-file rows ("2 workers", "8 threads"); ``shuffles``: kaisoku's rows; ``peers``: the
-    packed peers' rows; each figure of a row is the median of ``repeats`` runs.
+    ``readers``: the per-file rows ("2 workers", "<n> threads", :data:`TUNED` over ``grid``); ``shuffles``:
+    kaisoku's rows; ``peers``: the packed peers' rows; ``undersized``: the row with a node cache smaller
+    than the set (None: none); each figure of a row is the median of ``repeats`` runs.
     """
     served = data_root()
     ceiling_file = served / f"ceiling-{ceiling_bytes}.bin"
@@ -89,13 +133,22 @@ def part_b(
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     missing = _prepare_peers(slow_sets, peers)
+    repacked = {}
+    if undersized is not None:  # packed on the serving side once, kept between runs
+        repacked = {s.image_set.name: image_set(s.image_set.count, s.image_set.size, undersized.shard_bytes)
+                    for s in slow_sets if s.image_set.name == undersized.set_name}  # fmt: skip
     deadline = time.monotonic() + budget_s
     ram_root = Path("/dev/shm") / f"kaisoku-bench-{os.getpid()}"
-    plan = _Group(specs=specs, readers=tuple(readers), peers=tuple(peers), missing=missing, repeats=repeats)
+    plan = _Group(
+        specs=specs, readers=tuple(readers), peers=tuple(peers), missing=missing, repeats=repeats, grid=grid,
+        undersized=undersized, repacked=repacked,
+    )  # fmt: skip
     with netfs.SlowMount(served) as mount:
         try:
-            for setting in settings:
+            for number, setting in enumerate(settings):
                 mount.configure(setting)
+                if number == 1:  # the undersized row runs in the first link's group only
+                    plan = replace(plan, undersized=None)
                 for slow in slow_sets:
                     if time.monotonic() > deadline:
                         notes.append(f"time budget spent before {setting.label()} {slow.image_set.name}")
@@ -115,6 +168,9 @@ class _Group:
     peers: tuple[str, ...]
     missing: dict[tuple[str, str], str]  # (set name, peer) -> why the peer has no row
     repeats: int
+    grid: ThreadGrid
+    undersized: Undersized | None
+    repacked: dict[str, ImageSet]  # set name -> the set in the undersized row's shard size
 
 
 def _prepare_peers(slow_sets: Sequence[SlowSet], peers: Sequence[str]) -> dict[tuple[str, str], str]:
@@ -166,6 +222,13 @@ def _slow_group(
     subset_bytes = int(sum(os.path.getsize(image_set.files.files[i]) for i in subset))
     global_quality = _quality(epoch_order(index.shard_sizes(), SEED, 0, ShuffleSpec(), BATCH), index)
     for readers in plan.readers:
+        tuned = None
+        if readers == TUNED:
+            tune_order = np.random.Generator(np.random.PCG64([SEED, 0x7E])).permutation(len(paths))
+            tuned = tune_threads(
+                plan.grid, lambda n, o=tune_order: perfile_window(paths, o, n, plan.grid.window_s)
+            )
+            readers = f"{tuned['threads_tuned']} threads"
         timings: dict[tuple[str, int], list[float]] = {}
         for _ in range(plan.repeats):
             for mode in ("io", "e2e"):
@@ -184,6 +247,7 @@ def _slow_group(
                 set_files=len(paths),
                 rate_bytes=setting.rate_bytes,
                 quality=global_quality,
+                grid=tuned,
             )
         )
         log(f"  {rows[-1]['row']}: {rows[-1]['io_e1_samples_per_s']:.0f} files/s (I/O, epoch 1, median)")
@@ -216,6 +280,9 @@ def _slow_group(
             f"  kaisoku {name}: I/O {row['io_e1_MBps']} MB/s epoch 1, {row['io_e2_s']} s epoch 2; "
             f"e2e {row['e2e_e1_samples_per_s']} / {row['e2e_e2_samples_per_s']} samples/s (medians)"
         )
+    if plan.undersized is not None and image_set.name in plan.repacked:
+        repacked = plan.repacked[image_set.name]
+        rows.append(_undersized_row(plan, str(mount.path(repacked.pack_dir)), repacked, base, work, ram_root))
 
     for name in plan.peers:
         why = plan.missing.get((image_set.name, name))
@@ -237,6 +304,66 @@ def _slow_group(
             rows.append({**base, "row": f"peer {name}", "skipped": why})
             log(f"  peer {name}: skipped ({why})")
     return finish_group(rows, ceilings)
+
+
+def tune_threads(grid: ThreadGrid, measure: Callable[[int], dict[str, float]]) -> dict[str, Any]:
+    """The per-file reader's best thread count by files/s over ``grid``, ``measure(threads)`` giving one
+    point (:func:`~kaisoku.bench.slowfs_readers.perfile_window`'s ``{"threads", "files_per_s", ...}``);
+    whether it is inside the grid (:func:`kaisoku.bench.training.tune`'s rule) and the points tried. Fewer
+    than one thread reads nothing (0 files/s, not measured), which settles the lower side."""
+    points: list[dict[str, float]] = []
+
+    def files_per_s(setting: float) -> float:
+        threads = int(round(setting))
+        if threads < 1:
+            return 0.0
+        points.append(measure(threads))
+        return points[-1]["files_per_s"]
+
+    best, _, inside = tune(
+        tuple(float(t) for t in grid.threads), files_per_s, grid.extend_limit, failed_score=0.0
+    )
+    points.sort(key=lambda p: p["threads"])
+    tried = ", ".join(f"{p['threads']}: {p['files_per_s']:g}/s" for p in points)
+    log(f"  per-file thread grid (best {best:g}, inside: {inside}): {tried}")
+    return {
+        "threads_tuned": int(round(best)),
+        "threads_inside": inside,
+        "thread_grid": points,
+        "grid_window_s": grid.window_s,
+    }
+
+
+def _undersized_row(
+    plan: _Group,
+    mounted_pack: str,
+    image_set: ImageSet,
+    base: dict[str, Any],
+    work: Path,
+    ram_root: Path,
+) -> dict[str, Any]:
+    """kaisoku with a node cache smaller than the set (:class:`Undersized`): I/O runs of 2 epochs."""
+    assert plan.undersized is not None
+    spec = SPECS[plan.undersized.shuffle]
+    index = image_set.index
+    capacity = int(index.nbytes * plan.undersized.fraction)
+    dirs = CacheDirs(ram=ram_root, local=work / "local-cache", capacity=capacity, ram_capacity=0)
+    records = kaisoku_epochs(
+        KaisokuRun(mounted_pack, spec, image_set.size, dirs, plan.repeats, modes=("io",))
+    )
+    row = undersized_row(
+        base,
+        spec.name,
+        _spec_text(spec),
+        records,
+        cache_fraction=plan.undersized.fraction,
+        nbytes=index.nbytes,
+    )
+    log(
+        f"  {row['row']}: source reads vs the cache's plan per run: "
+        + ", ".join(f"{r['source_reads']}/{r['planned_reads']}" for r in row["cache_runs"])
+    )
+    return row
 
 
 def _spec_text(spec: ShuffleSpec) -> str:
@@ -303,11 +430,16 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     small = image_set(1024, 64, "1MiB") if quick else image_set(20000, 64, "8MiB")
     options: dict[str, Any]
-    if quick:  # a smoke run of the setup: one link, the 8-thread per-file row, kaisoku global, WebDataset
+    if quick:  # a smoke run of the setup: one link, the tuned per-file row, kaisoku global, WebDataset
         slow_sets = [SlowSet(small, {0.001: 256, 0.0: 256})]
         settings = [netfs.LinkSetting(10**9, 0.001)]
-        options = {"ceiling_bytes": 4 << 20, "budget_s": 30.0}
-        options.update(readers=("8 threads",), shuffles=("global",), peers=("webdataset",))
+        options = {
+            "ceiling_bytes": 4 << 20,
+            "budget_s": 30.0,
+            "grid": ThreadGrid(window_s=0.3, extend_limit=2),
+        }
+        options.update(readers=(TUNED,), shuffles=("global",), peers=("webdataset",))
+        options["undersized"] = Undersized(shard_bytes="256KiB")
     else:
         large = image_set(1024, 400, "8MiB")  # 4 whole batches: no dropped tail
         slow_sets = [
@@ -330,7 +462,8 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     notes.append(
         "kaisoku rows: the ShardLoader kaisoku train iterates, built from a Config by "
         "engine.data_build.shard_loader (data.workers 2 decoding threads, batch 256, 2 epochs), its node "
-        "cache with a node-local folder and a /dev/shm RAM tier each sized to hold the whole set; epoch 1 "
+        "cache with a node-local folder and a /dev/shm RAM tier each sized to hold the whole set (but the "
+        "undersized-cache row's); epoch 1 "
         "includes starting the cache and all staging; I/O runs leave images encoded (a transform that "
         "returns each record's image byte count), end-to-end runs decode and flip; block = 4 shards per "
         "block; partial = 2 nodes (gloo ranks, own cache folders) exchanging Q=0.25 through RecordStore, "
@@ -349,6 +482,28 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         "its option table), used here; the page cache is dropped (echo 3 > /proc/sys/vm/drop_caches) "
         "before every epoch of every run. Per-file rows read a random subset of the files "
         "(files_measured) and report files/s; epoch_e1_s_extrapolated scales that to the whole set."
+    )
+    grid = options.get("grid", ThreadGrid())
+    notes.append(
+        f"tuned per-file row: per group, one timed window of {grid.window_s:g} s of random per-file reads "
+        f"(whole files, a dropped page cache) per thread count of {list(grid.threads)}, extended by "
+        f"doubling or halving (up to {grid.extend_limit} more points) until the best has a tried lower "
+        "and a tried higher neighbour falling off (bench.training.tune's rule); the best thread count is "
+        "then measured like every row (I/O: n threads; end to end: n/2 threads in each of 2 DataLoader "
+        "workers). The kaisoku_*_io_vs_tuned_perfile goals are unmet when that grid is one-sided "
+        "(threads_inside false; thread_grid lists the points)."
+    )
+    undersized = options.get("undersized", Undersized())
+    notes.append(
+        f"undersized-cache row (the first link's {undersized.set_name} group): kaisoku {undersized.shuffle} with its node-local "
+        f"folder capped at {undersized.fraction:g} of the set's bytes and no RAM tier, I/O runs, on the set "
+        f"repacked in {undersized.shard_bytes} shards (a block's shards fit the folder: no access bypasses "
+        "it; a bypassed shard's copy kept by the reader, up to 256 MiB a process, would hide re-reads); "
+        "kaisoku_rereads_minus_evicted_undersized_cache is, per run, the source bytes the loader's "
+        "epoch_stats() counted over both epochs minus those the node cache's own stager log accounts for "
+        "(each shard's first load, loads of shards it had evicted, bypassed accesses), the largest in size "
+        "(the stager reads ahead across the epoch boundary, so the comparison is over the run; cache_runs "
+        "also gives epoch 2's counted reads and the evictions)."
     )
     return _finish(out_dir, summary, rows, notes, quick)
 

@@ -6,9 +6,11 @@ it read and how long it took. The packed peers' side is :mod:`kaisoku.bench.slow
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +30,7 @@ from kaisoku.config_sections import ByteSize
 from kaisoku.data.loading.dataset import ShardedDataset
 from kaisoku.data.loading.loader import ShardLoader
 from kaisoku.data.loading.transforms import collate
+from kaisoku.data.node_cache.staging import CacheEvent
 from kaisoku.data.order.shuffle import ShuffleSpec
 from kaisoku.distributed.env import World
 from kaisoku.distributed.spawn import run_ranks
@@ -88,6 +91,43 @@ def read_files(paths: Sequence[str], threads: int = 8) -> int:
         return sum(len(b) for b in pool.map(read_bytes, paths))
 
 
+def reader_threads(readers: str) -> int | None:
+    """The thread count of a per-file reader named ``"<n> threads"``; None for ``"2 workers"`` (DataLoader
+    workers, one file at a time each)."""
+    count, _, kind = readers.partition(" ")
+    return int(count) if kind == "threads" else None
+
+
+def perfile_window(
+    paths: Sequence[str], order: np.ndarray, threads: int, window_s: float
+) -> dict[str, float]:
+    """Random per-file reads of ``order``'s files (in order, each whole) by ``threads`` threads for about
+    ``window_s`` seconds from a dropped page cache: each thread takes the next file until the window has
+    passed (or the files run out) and finishes the read it started. ``files_per_s`` is the files read over
+    the seconds until the last thread stopped."""
+    drop_caches()
+    positions = itertools.count()  # next() on a count is atomic under the GIL: no file is read twice
+    counted = [0] * threads
+
+    def read_until(slot: int, deadline: float) -> None:
+        while time.perf_counter() < deadline:
+            position = next(positions)
+            if position >= order.size:
+                return
+            read_bytes(paths[int(order[position])])
+            counted[slot] += 1
+
+    start = time.perf_counter()
+    workers = [threading.Thread(target=read_until, args=(k, start + window_s)) for k in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    seconds = time.perf_counter() - start
+    return {"threads": threads, "files": sum(counted), "seconds": round(seconds, 3),
+            "files_per_s": round(sum(counted) / seconds, 1)}  # fmt: skip
+
+
 def _sum_lengths(batch: Sequence[bytes]) -> int:
     return sum(len(b) for b in batch)
 
@@ -107,19 +147,24 @@ def perfile_epoch(
     size: int,
     epoch: int,
 ) -> tuple[float, int]:
-    """Seconds and bytes (I/O) or samples (end-to-end) of random per-file reads of ``order``'s files."""
+    """Seconds and bytes (I/O) or samples (end-to-end) of random per-file reads of ``order``'s files.
+
+    ``readers``: ``"2 workers"`` (DataLoader workers, a file at a time) or ``"<n> threads"``: I/O runs read
+    with ``n`` threads, end-to-end runs with ``n / 2`` threads in each of the 2 DataLoader workers."""
     drop_caches()
     start = time.perf_counter()
     total = 0
-    if mode == "io" and readers == "8 threads":
-        total = read_files([paths[i] for i in order], 8)
+    threads = reader_threads(readers)
+    if mode == "io" and threads is not None:
+        total = read_files([paths[i] for i in order], threads)
     elif mode == "io":
         loader = DataLoader(
             FileBytes(paths), batch_sampler=_batches(order), num_workers=WORKERS, collate_fn=_sum_lengths
         )
         total = sum(loader)
     else:
-        dataset = FileSamples(paths, labels, size, threads=4 if readers == "8 threads" else 1)
+        per_worker = 1 if threads is None else max(1, threads // WORKERS)
+        dataset = FileSamples(paths, labels, size, threads=per_worker)
         loader = DataLoader(
             dataset, batch_sampler=_batches(order, epoch), num_workers=WORKERS, collate_fn=collate
         )
@@ -129,11 +174,14 @@ def perfile_epoch(
 
 @dataclass(frozen=True)
 class CacheDirs:
-    """Where a kaisoku row's node caches live (removed after each run)."""
+    """Where a kaisoku row's node caches live (removed after each run), and the bytes each tier may hold:
+    ``capacity`` for the local folder, ``ram_capacity`` for the RAM tier (None: ``capacity`` too; 0: no RAM
+    tier)."""
 
     ram: Path
     local: Path
     capacity: int
+    ram_capacity: int | None = None
 
     def node(self, name: str) -> tuple[Path, Path]:
         """RAM and local directories of one node."""
@@ -167,7 +215,7 @@ def node_loader(
 ) -> ShardLoader:
     """The :class:`ShardLoader` ``kaisoku train`` builds for node ``rank`` of ``world_size`` (one rank per
     node), from a config through :func:`kaisoku.engine.data_build.shard_loader`: ``spec``'s shuffle, the
-    node cache in ``dirs`` (local folder + RAM tier, each holding the whole set), ``workers`` decoding
+    node cache in ``dirs`` (local folder + RAM tier, sized by ``dirs``), ``workers`` decoding
     threads (``data.workers``), 2 epochs. ``mode`` ``io`` leaves images encoded (:class:`EncodedSize`),
     ``e2e`` decodes and flips them (:func:`flip_transform`)."""
     ram, local = dirs.node(f"node{rank}")
@@ -179,7 +227,8 @@ def node_loader(
     cfg.data.exchange = spec.exchange
     cfg.data.block_shards = spec.block_shards
     cfg.data.local_cache, cfg.data.local_capacity = str(local), ByteSize(dirs.capacity)
-    cfg.data.ram_dir, cfg.data.ram_capacity = str(ram), ByteSize(dirs.capacity)
+    ram_capacity = dirs.capacity if dirs.ram_capacity is None else dirs.ram_capacity
+    cfg.data.ram_dir, cfg.data.ram_capacity = str(ram), ByteSize(ram_capacity)
     cfg.train.seed, cfg.train.epochs = SEED, 2
     world = World(rank=rank, world_size=world_size, local_world_size=1, node=rank, num_nodes=world_size)
     if mode == "io":
@@ -215,10 +264,81 @@ def drop_caches_together(rank: int) -> None:
         dist.barrier()
 
 
+PLAN_COUNTS = ("planned_reads", "planned_bytes", "planned_bypasses", "evictions", "evicted_bytes")
+"""What :func:`cache_plan_reads` counts per epoch, added to each :func:`node_epochs` record."""
+CACHE_COUNTS = (*PLAN_COUNTS, "stager_reads", "reader_reads")
+""":data:`PLAN_COUNTS` and the source reads the node's stager and its readers counted over the run (on
+the run's last epoch record; 0 on the others, so that sums over a run's epochs are the run's)."""
+
+
+def cache_plan_reads(
+    events: Sequence[tuple[int, str, CacheEvent]], shard_bytes: Sequence[int]
+) -> dict[int, dict[str, int]]:
+    """Per epoch, the source reads the node cache's executed plan accounts for and what it evicted, from
+    its stager log (``NodeCache.stager_log``: (epoch, tier, event) in execution order, local-tier actions
+    first at each position).
+
+    ``planned_reads`` / ``planned_bytes``: loads into the local tier, loads into RAM of a shard the local
+    tier does not hold (a RAM load of a shard just written locally copies it, no source read), and
+    accesses every tier bypassed whose shard no tier holds after that position's actions (the reader reads
+    them from the source, unless it still holds a copy it read before: ``planned_bypasses`` counts them).
+    ``evictions`` / ``evicted_bytes``: evictions that left a shard in no tier (a
+    shard evicted from RAM but still held locally has not left the node)."""
+    resident: dict[str, set[int]] = {"local": set(), "ram": set()}
+    out: dict[int, dict[str, int]] = {}
+    bytes_of = {"planned_reads": "planned_bytes", "evictions": "evicted_bytes"}
+
+    def add(epoch: int, what: str, shard: int) -> None:
+        counts = out.setdefault(epoch, dict.fromkeys(PLAN_COUNTS, 0))
+        counts[what] += 1
+        counts[bytes_of[what]] += int(shard_bytes[shard])
+
+    for (epoch, _position), group in itertools.groupby(events, key=lambda e: (e[0], e[2].position)):
+        bypassed: set[int] = set()
+        for _, tier, event in group:
+            if event.kind == "load":
+                if tier == "local" or event.shard not in resident["local"]:
+                    add(epoch, "planned_reads", event.shard)
+                resident[tier].add(event.shard)
+            elif event.kind == "evict":
+                resident[tier].discard(event.shard)
+                if all(event.shard not in held for held in resident.values()):
+                    add(epoch, "evictions", event.shard)
+            elif event.kind == "bypass":
+                bypassed.add(event.shard)
+        for shard in sorted(bypassed):
+            if all(shard not in held for held in resident.values()):
+                add(epoch, "planned_reads", shard)
+                out[epoch]["planned_bypasses"] += 1
+    return out
+
+
+def _add_cache_plan(loader: ShardLoader, records: list[dict[str, Any]]) -> None:
+    """Add to each epoch's record of one run what the node cache's plan read and evicted in it, and to the
+    last one the source reads its stager and its readers counted over the run (:data:`CACHE_COUNTS`;
+    zeros without a stager on this process)."""
+    cache = loader.cache
+    plan: dict[int, dict[str, int]] = {}
+    run_reads = {"stager_reads": 0, "reader_reads": 0}
+    if cache is not None and cache.owns_stager:  # node_epochs waited for the stager's last action
+        plan = cache_plan_reads(cache.stager_log, [os.path.getsize(p) for p in cache.source_paths])
+        run_reads = {
+            "stager_reads": cache.stager_stats()["source_reads"],
+            "reader_reads": cache.stats()["source_reads"],
+        }
+    for number, record in enumerate(records):
+        counts = plan.get(record["epoch"], {})
+        for name in PLAN_COUNTS:
+            record[name] = counts.get(name, 0)
+        for name, value in run_reads.items():
+            record[name] = value if number == len(records) - 1 else 0
+
+
 def node_epochs(rank: int, world_size: int, tmp: Path, run: KaisokuRun) -> list[dict[str, Any]]:
     """Every (repeat, mode, epoch) of one node: seconds from the page-cache drop to its last batch (the
     first epoch includes starting the node cache and all staging), what it delivered (image bytes or
-    samples) and what :meth:`ShardLoader.epoch_stats` counted (source reads, exchanged bytes)."""
+    samples), what :meth:`ShardLoader.epoch_stats` counted (source reads and bytes, exchanged bytes) and
+    what the node cache's plan read and evicted (:func:`cache_plan_reads`)."""
     out: list[dict[str, Any]] = []
     ram, local = run.dirs.node(f"node{rank}")
     for repeat in range(run.repeats):
@@ -228,6 +348,7 @@ def node_epochs(rank: int, world_size: int, tmp: Path, run: KaisokuRun) -> list[
                 workers=run.workers,
             )  # fmt: skip
             loader.connect(run_token=f"slowfs-{tmp.name}-{repeat}-{mode}")
+            records: list[dict[str, Any]] = []
             try:
                 for epoch in range(2):
                     drop_caches_together(rank)
@@ -237,8 +358,10 @@ def node_epochs(rank: int, world_size: int, tmp: Path, run: KaisokuRun) -> list[
                     for images, labels in loader:
                         total += int(images.sum()) if mode == "io" else int(labels.shape[0])
                     seconds = time.perf_counter() - start
+                    if epoch == 1 and loader.cache is not None and loader.cache.owns_stager:
+                        loader.cache.wait_staged(epoch, timeout=600.0)  # its last reads counted too
                     stats = loader.epoch_stats() or {}
-                    out.append(
+                    records.append(
                         {
                             "repeat": repeat,
                             "mode": mode,
@@ -250,6 +373,8 @@ def node_epochs(rank: int, world_size: int, tmp: Path, run: KaisokuRun) -> list[
                             "exchanged_bytes": int(stats.get("exchanged_bytes", 0)),
                         }
                     )
+                _add_cache_plan(loader, records)
+                out.extend(records)
             finally:
                 loader.close()
                 shutil.rmtree(local, ignore_errors=True)  # the next run starts cold: no staged shard kept
@@ -280,8 +405,8 @@ def merge_nodes(per_node: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, 
                 **{k: first[k] for k in ("repeat", "mode", "epoch")},
                 "seconds": max(r["seconds"] for r in records),
                 **{
-                    k: sum(r[k] for r in records)
-                    for k in ("total", "source_reads", "source_bytes", "exchanged_bytes")
+                    k: sum(r.get(k, 0) for r in records)
+                    for k in ("total", "source_reads", "source_bytes", "exchanged_bytes", *CACHE_COUNTS)
                 },
             }
         )
