@@ -443,10 +443,6 @@ def _check_shard(cfg: Config, world: WorldShape | None, hybrid: bool) -> tuple[i
     what = f"parallel.shard {par.shard}"
     unsupported = [
         (
-            bool(par.switch.strip()),
-            "parallel.switch (a switch rebuilds whole stages; use parallel.shard none)",
-        ),
-        (
             hybrid and par.dp_replicate != 1,
             "parallel.dp_replicate under pipeline stages (each stage shards over all its replicas; drop it)",
         ),
