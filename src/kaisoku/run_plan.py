@@ -159,8 +159,8 @@ class RunPlan:
 
     @property
     def sharded_engine(self) -> bool:
-        """The sharded engine (FSDP2 over the data mesh) runs the step; pipeline stages, sharded or not, run
-        the hybrid engine."""
+        """The sharded engine (FSDP2 over the data mesh) runs the step; pipeline stages and switch schedules,
+        sharded or not, run the hybrid engine."""
         return self.shard != "none" and not self.hybrid
 
     @property
