@@ -46,6 +46,13 @@ def test_pipeline_stages_shard_over_their_replicas() -> None:
     assert _plan(4, parallel__shard="full").sharded_engine
 
 
+def test_switch_schedules_shard_on_the_hybrid_engine() -> None:
+    plan = _plan(4, parallel__shard="full", parallel__switch="dp2xpp2:0-1,dp4:1-")
+    assert (plan.shard, plan.hybrid, plan.sharded_engine, plan.mesh_shape) == ("full", True, False, (2,))
+    assert plan.engine_name == "hybrid (pipeline / switch), stages sharded (full)"
+    assert plan.sharded_checkpoints
+
+
 def test_one_rank_runs_as_plain_data_parallel() -> None:
     plan = _plan(1, parallel__shard="full")
     assert (plan.shard, plan.engine_name, plan.mesh_shape) == ("none", "data parallel", (1,))
@@ -69,10 +76,6 @@ def test_mesh_shape_arithmetic() -> None:
     [
         ({"parallel__dp_replicate": 2}, "needs parallel.shard grad or full"),
         ({"parallel__shard": "full", "parallel__dp_replicate": 3}, "4 / 3 = 1.33333 ranks per replica"),
-        (
-            {"parallel__shard": "full", "parallel__switch": "dp2xpp2:0-1,dp4:1-"},
-            "does not work with parallel.switch",
-        ),
         (
             {"parallel__shard": "full", "parallel__pp": 2, "parallel__dp_replicate": 2},
             "parallel.dp_replicate under pipeline stages",

@@ -159,8 +159,8 @@ class RunPlan:
 
     @property
     def sharded_engine(self) -> bool:
-        """The sharded engine (FSDP2 over the data mesh) runs the step; pipeline stages, sharded or not, run
-        the hybrid engine."""
+        """The sharded engine (FSDP2 over the data mesh) runs the step; pipeline stages and switch schedules,
+        sharded or not, run the hybrid engine."""
         return self.shard != "none" and not self.hybrid
 
     @property
@@ -442,10 +442,6 @@ def _check_shard(cfg: Config, world: WorldShape | None, hybrid: bool) -> tuple[i
     shape = data_mesh_shape(size if size is not None else par.dp_replicate, par.dp_replicate)
     what = f"parallel.shard {par.shard}"
     unsupported = [
-        (
-            bool(par.switch.strip()),
-            "parallel.switch (a switch rebuilds whole stages; use parallel.shard none)",
-        ),
         (
             hybrid and par.dp_replicate != 1,
             "parallel.dp_replicate under pipeline stages (each stage shards over all its replicas; drop it)",

@@ -88,13 +88,15 @@ def saved(state: dict[str, Any]) -> dict[str, Any]:
     return torch.load(buffer, weights_only=True)
 
 
-def _hybrid(model: nn.Module, layout: ParallelLayout, microbatches: int = 2) -> HybridParallel:
+def _hybrid(
+    model: nn.Module, layout: ParallelLayout, microbatches: int = 2, shard: str = "none"
+) -> HybridParallel:
     return HybridParallel(
         model,
         build_mesh(layout),
         loss_fn=nn.functional.cross_entropy,
         optimizer_factory=sgd,
-        options=HybridOptions(microbatches=microbatches, schedule="1f1b"),
+        options=HybridOptions(microbatches=microbatches, schedule="1f1b", shard=shard),
     )
 
 
@@ -156,6 +158,39 @@ def test_switch_pp2_to_dp2_keeps_the_model_and_resumes_anywhere(tmp_path: Path) 
     expected_losses, _ = reference_training(mlp_layernorm(), batches([16, 16, 16, 16]), dp=1, microbatches=1)
     assert ranks[0]["losses"] == pytest.approx(expected_losses, rel=1e-5)
     assert ranks[1]["resumed_losses"] == pytest.approx(expected_losses[2:], rel=1e-5)
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+
+
+def _switch_sharded_two_ranks(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
+    data = batches([16] * 5)
+    hybrid = _hybrid(mlp_layernorm(), ParallelLayout(1, 2), shard="grad")
+    losses = [_step(hybrid, *batch) for batch in data[:2]]
+    before = hybrid.full_state_dict()
+    hybrid = switch_layout(hybrid, ParallelLayout(2, 1))
+    after = hybrid.full_state_dict()
+    # Under dp2 one stage of every block, each parameter a shard over both ranks.
+    shards = {name: type(p).__name__ for name, p in hybrid.named_parameters}
+    losses += [_step(hybrid, *batch) for batch in data[2:4]]
+    dp_trained = hybrid.full_state_dict()
+    hybrid = switch_layout(hybrid, ParallelLayout(1, 2))
+    back = hybrid.full_state_dict()
+    losses.append(_step(hybrid, *data[4]))
+    return {"before": before, "after": after, "dp_trained": dp_trained, "back": back, "losses": losses,
+            "shards": shards}  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_sharded_switch_pp2_to_dp2_and_back_trains_as_one_process(tmp_path: Path) -> None:
+    """parallel.shard grad across pp2 -> dp2 -> pp2: the switches keep the state bit for bit, and the
+    reduce-scattered dp2 steps (not also all-reduced) train as one process does."""
+    ranks = run_ranks(_switch_sharded_two_ranks, 2, tmp_path)
+    for result in ranks:
+        assert result["after"]["layout"] == "dp2" and result["back"]["layout"] == "pp2"
+        assert_full_states_equal(result["after"], result["before"])
+        assert_full_states_equal(result["back"], result["dp_trained"])
+        assert len(result["shards"]) == 8 and set(result["shards"].values()) == {"DTensor"}
+    expected_losses, _ = reference_training(mlp_layernorm(), batches([16] * 5), dp=1, microbatches=1)
+    assert ranks[0]["losses"] == pytest.approx(expected_losses, rel=1e-5)
     assert ranks[0]["losses"] == ranks[1]["losses"]
 
 

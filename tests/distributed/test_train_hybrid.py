@@ -55,7 +55,9 @@ def _train(
         cfg, World(rank=rank, world_size=world_size, local_world_size=world_size), resume=resume
     )
     loaded = {k: v.clone() for k, v in trainer.unwrapped.state_dict().items()}
-    optimizer = named_optimizer_state(trainer.optimizer, state_names(trainer.unwrapped))
+    # Sharded stages' optimizers hold copies' parameters, which the model's names do not cover.
+    sharded = overrides.get("parallel__shard", "none") != "none"
+    optimizer = None if sharded else named_optimizer_state(trainer.optimizer, state_names(trainer.unwrapped))
     lr = trainer.optimizer.param_groups[0]["lr"]
     summary = trainer.fit()
     trainer.metrics.close()
@@ -150,12 +152,24 @@ def test_pipeline_of_two_stages_trains_from_the_trainer(
     assert start["parallel"] == "pp2:0-"
 
 
+SWITCH = {"parallel__switch": "pp2:0-1,dp2:1-"}
+
+
+@pytest.fixture(scope="module")
+def switch_run(
+    tiny_data: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[list[dict[str, Any]], Path]:
+    """2 epochs on 2 ranks switching from pp2 to dp2 after the first (shared by the tests below)."""
+    tmp = tmp_path_factory.mktemp("switch")
+    return run_ranks(_train, 2, tmp, tiny_data, tmp / "run", 0, "", SWITCH), tmp / "run"
+
+
 @pytest.mark.timeout(180)
-def test_switch_from_pipeline_to_data_parallel_mid_run(tmp_path: Path, tiny_data: Path) -> None:
-    run_dir = tmp_path / "run"
-    overrides = {"parallel__switch": "pp2:0-1,dp2:1-"}
-    ranks = run_ranks(_train, 2, tmp_path, tiny_data, run_dir, 0, "", overrides)
-    first, second = ranks
+def test_switch_from_pipeline_to_data_parallel_mid_run(
+    tmp_path: Path, tiny_data: Path, switch_run: tuple[list[dict[str, Any]], Path]
+) -> None:
+    (first, second), run_dir = switch_run
+    overrides = SWITCH
     assert first["summary"]["steps"] == 2 * STEPS_PER_EPOCH
     assert torch.isfinite(torch.tensor(first["summary"]["final_loss"]))
     assert_states_equal(second["model"], first["model"])
@@ -181,6 +195,36 @@ def test_switch_from_pipeline_to_data_parallel_mid_run(tmp_path: Path, tiny_data
     resumed = run_ranks(_train, 2, tmp_path / "r", tiny_data, resumed_dir, 0, before_switch, overrides)
     assert [row["layout"] for row in _metrics(resumed_dir) if row.get("event") == "switch"] == ["dp2"]
     assert_states_equal(resumed[0]["model"], first["model"])
+
+
+@pytest.mark.timeout(240)
+def test_sharded_switch_from_pipeline_to_data_parallel_resumes_after_it(
+    tmp_path: Path, tiny_data: Path, switch_run: tuple[list[dict[str, Any]], Path]
+) -> None:
+    """The same switch with parallel.shard full: pp2 stages sharded over their (single) replica, then dp2 as one
+    stage of every block sharded over both ranks. Stopped 2 steps after the switch, it writes a folder of
+    shards that a run resumes from, switching back to dp2 and ending where the unsharded run ends."""
+    (reference, _), _ = switch_run
+    sharded = {**SWITCH, "parallel__shard": "full"}
+    stop = STEPS_PER_EPOCH + 2
+    run_dir = tmp_path / "run"
+    first, second = run_ranks(_train, 2, tmp_path / "a", tiny_data, run_dir, stop, "", sharded)
+    assert first["summary"]["steps"] == stop
+    assert_states_equal(second["model"], first["model"])
+    assert [row["layout"] for row in _metrics(run_dir) if row.get("event") == "switch"] == ["dp2"]
+    assert (first["data_shard"], second["data_shard"]) == ((0, 2), (1, 2))
+    folder = run_dir / "checkpoints" / f"step-{stop:08d}"  # written under dp2: a folder of shards
+    assert folder.is_dir()
+    assert read_whole(folder, tmp_path / "whole.pt")["model"].keys() == first["model"].keys()
+    resumed_dir = tmp_path / "resumed"
+    resumed = run_ranks(_train, 2, tmp_path / "b", tiny_data, resumed_dir, 0, str(folder), sharded)
+    assert [row["layout"] for row in _metrics(resumed_dir) if row.get("event") == "switch"] == ["dp2"]
+    assert resumed[0]["summary"]["steps"] == 2 * STEPS_PER_EPOCH
+    assert_states_equal(resumed[1]["model"], resumed[0]["model"])
+    # Reduce-scattered shards train as the whole-gradient all-reduce does, within fp32 noise.
+    for name, value in reference["model"].items():
+        torch.testing.assert_close(resumed[0]["model"][name], value, rtol=0, atol=1e-5, msg=name)
+    assert any(not torch.equal(v, first["model"][k]) for k, v in resumed[0]["model"].items())
 
 
 @pytest.mark.timeout(240)

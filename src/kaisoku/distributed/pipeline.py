@@ -13,7 +13,9 @@ FSDP after the last micro-batch, and the whole model (still held by every rank, 
 switches) is refreshed from the gathered shards whenever the full state is gathered. Such a layout checkpoints
 as the sharded data-parallel engine does: every rank writes its own stage's shards, keyed by the names of the
 whole model (:meth:`HybridParallel.sharded_state_dict`), and reads its own stage's pieces of a checkpoint
-written under any layout (:meth:`HybridParallel.load_sharded`).
+written under any layout (:meth:`HybridParallel.load_sharded`). A sharded ``pp == 1`` layout (reached only
+through a switch schedule) is one stage of every block, sharded over all the replicas: sharded data
+parallelism that a switch can gather and rebuild like any other layout.
 
 The loss of a step is the mean, over every replica and micro-batch, of ``loss_fn`` on that micro-batch;
 with a mean-reducing ``loss_fn`` and equal micro-batches that is the gradient of the whole global batch.
@@ -243,32 +245,32 @@ class HybridParallel:
         self._schedules: dict[tuple[Any, ...], tuple[Any, list[Any]]] = {}
         self.sharded = opts.shard != "none"
 
+        self.stage_indices: list[int] = [0]
+        self.stage_modules: list[nn.Module] = [model]
+        self.stage_ranges: list[range] = []
         if pp == 1:
-            if self.sharded:
-                raise KaisokuError(
-                    f"parallel.shard {opts.shard} shards pipeline stages; a layout without stages ({self.layout}) "
-                    "runs on the sharded data-parallel engine instead"
-                )
             restore_batchnorm_momentum(model)  # whole replica batches: the model's own momentum
-            self.stage_indices: list[int] = [0]
-            self.stage_modules: list[nn.Module] = [model]
-            self.stage_ranges: list[range] = []
-        else:
+        if pp > 1 or self.sharded:
             blocks = ordered_blocks(model)
             check_blocks_cover(model, blocks)
-            num_stages = pp * opts.virtual_stages
-            costs = self._block_costs(blocks, example_input)
-            self.stage_ranges = partition_blocks(costs, num_stages)
-            # Interleaved ("loop") placement: stage s lives on pipeline rank s % pp.
-            self.stage_indices = list(range(mesh.pp_index, num_stages, pp))
+            if pp == 1:
+                # Sharded data parallelism inside a switch schedule: one stage of every block, sharded over
+                # all the replicas (a run without stages and switches uses the sharded data-parallel engine).
+                self.stage_ranges = [range(len(blocks))]
+            else:
+                num_stages = pp * opts.virtual_stages
+                self.stage_ranges = partition_blocks(self._block_costs(blocks, example_input), num_stages)
+                # Interleaved ("loop") placement: stage s lives on pipeline rank s % pp.
+                self.stage_indices = list(range(mesh.pp_index, num_stages, pp))
             self.stage_modules = [
                 StageModule([blocks[i] for i in self.stage_ranges[s]]) for s in self.stage_indices
             ]
             if self.sharded:
                 # The stage trains copies: the model keeps whole tensors, for evaluation and switching.
                 self.stage_modules = [copy.deepcopy(module) for module in self.stage_modules]
-            for module in self.stage_modules:
-                apply_batchnorm_policy(module, opts.microbatches)
+            if pp > 1:
+                for module in self.stage_modules:
+                    apply_batchnorm_policy(module, opts.microbatches)
         # Each stage tensor's name in the model, by its name in the stage (which sharding keeps).
         self._stage_names: list[dict[str, str]] = [
             self._fqn_names(module, original)
@@ -305,7 +307,7 @@ class HybridParallel:
 
     def _original_stages(self) -> list[nn.Module]:
         """The stages made of the model's own blocks (what sharded stages were copied from)."""
-        if self.layout.pp == 1:
+        if not self.stage_ranges:  # unsharded pp == 1: the model itself
             return [self.model]
         blocks = ordered_blocks(self.model)
         return [StageModule([blocks[i] for i in self.stage_ranges[s]]) for s in self.stage_indices]
@@ -384,7 +386,8 @@ class HybridParallel:
         if int(inputs.shape[0]) != batch:
             raise KaisokuError(f"inputs hold {inputs.shape[0]} samples but targets {batch}")
         if self.layout.pp == 1:
-            loss = self.loss_fn(self.model(inputs.to(self.device)), targets.to(self.device))
+            # The model itself, or its sharded copy (whose backward reduce-scatters the gradients).
+            loss = self.loss_fn(self.stage_modules[0](inputs.to(self.device)), targets.to(self.device))
             loss.backward()
             local = loss.detach().reshape(1).to(torch.float64).cpu()
         else:

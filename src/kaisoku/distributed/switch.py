@@ -4,7 +4,9 @@ A switch schedule says which layout trains which range of epochs (or steps), e.g
 ``"dp2xpp2:0-10,dp4:10-"``: epochs 0..9 as 2 replicas of a 2-stage pipeline, epoch 10 onwards as 4
 data-parallel replicas. At a boundary the whole model and optimizer state is gathered from the stages
 (:meth:`HybridParallel.full_state_dict`), the new layout is built on the same model object and the
-state loaded into it, so training goes on with identical weights and optimizer state.
+state loaded into it, so training goes on with identical weights and optimizer state. Under
+``HybridOptions.shard`` the gather collects the stages' shards and the load keeps each rank's own pieces
+of the new layout's (a re-shard; a layout without stages is one stage of every block over all replicas).
 
 The checkpoint form is that gathered state: the model's own ``state_dict`` names and an optimizer state
 keyed by the same names, so a checkpoint written under one layout loads under any other.
