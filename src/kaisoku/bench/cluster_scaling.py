@@ -128,7 +128,8 @@ def strategy_cells(plan: ScalingPlan) -> list[Cell]:
     """The cells of the strategies at :attr:`ScalingPlan.strategy_hosts` that no scaling cell measures."""
     if plan.strategy_hosts <= 0:
         return []
-    from kaisoku.plan.model import strategies  # noqa: PLC0415 - see _strategy
+    # The driver's start-up stays free of the planner until it is asked for.
+    from kaisoku.plan.model import strategies  # noqa: PLC0415
 
     n = plan.strategy_hosts
     scaled = {scaling_strategy(n, q) for q in plan.exchanges} if n in plan.sizes else set()
@@ -304,7 +305,8 @@ def _cell_dataset(plan: ScalingPlan, hosts: int) -> Any:
 def _cell_first_epoch_s(plan: ScalingPlan, cluster: Any, hosts: int, exchange: float, strategy: str) -> float:
     """The model's first epoch of a cell on ``cluster``: the cell's set, its strategy (empty: the scaling
     cell's, :func:`scaling_strategy`)."""
-    from kaisoku.plan.model import predict  # noqa: PLC0415 - see _cell_dataset
+    # The driver's start-up stays free of the planner until it is asked for.
+    from kaisoku.plan.model import predict  # noqa: PLC0415
 
     chosen = _strategy(hosts, strategy or scaling_strategy(hosts, exchange))
     return predict(cluster, _cell_dataset(plan, hosts), chosen, hosts).first_epoch_s
@@ -313,7 +315,8 @@ def _cell_first_epoch_s(plan: ScalingPlan, cluster: Any, hosts: int, exchange: f
 def _nominal_cluster(plan: ScalingPlan, hosts: int) -> Any:
     """The box as its links are set: the shared storage at each host's link rate per reading host (each
     host's own link, the storage's unshaped), the network at the link rate, no compute."""
-    from kaisoku.plan.model import Cluster, RateTable  # noqa: PLC0415 - see _cell_dataset
+    # The driver's start-up stays free of the planner until it is asked for.
+    from kaisoku.plan.model import Cluster, RateTable  # noqa: PLC0415
 
     rate = plan.rate_mbit * 1e6 / 8
     readers = (1, 2, 4, 8, 16)
@@ -474,6 +477,7 @@ def strategy_plan(plan: ScalingPlan, profile: dict[str, Any] | None) -> dict[str
     (the box's nominal links without one). One epoch, because a cell times one epoch; the default target
     AU (:data:`PLANNER_AU`)."""
     # The planner's table (numpy, the shuffle-quality functions) loads only once a run asks for it.
+    # The driver's start-up stays free of the planner until it is asked for.
     from kaisoku.plan.command import plan_record  # noqa: PLC0415
 
     hosts = plan.strategy_hosts
