@@ -129,6 +129,17 @@ def test_a_recommendation_that_was_the_fastest_of_its_quality_meets_the_goal() -
     assert entry["fastest_equal_quality"] == "local-only" and entry["value"] == 1.0 and entry["met"] is True
 
 
+def test_a_recommendation_fastest_by_median_still_shows_the_repeats_it_lost() -> None:
+    table = _table("local-only", {"local-only": (0.5, 0.8), "per-file": (2.0, 1.0)})
+    rows = _measured({"local-only": [2.4, 2.3, 2.3], "per-file": [2.6, 2.0, 2.5]})
+    entry = recommendation_vs_fastest(rows, table, "")
+    assert entry["fastest_equal_quality"] == "local-only"
+    assert entry["fastest_per_repeat"] == ["local-only", "per-file", "local-only"]
+    assert entry["value"] == 1.0 and entry["interval"][1] == pytest.approx(1.15, abs=0.01)
+    # Its interval reaches past 1.10: not met, inside the noise.
+    assert entry["met"] is False and "within noise" in entry["reason"]
+
+
 def test_a_recommendation_with_no_strategy_of_equal_quality_is_not_judged() -> None:
     table = _table("staged-global", {"staged-global": (2.0, 1.0), "local-only": (0.5, 0.0)})
     rows = _measured({"staged-global": [2.0, 2.0, 2.0], "local-only": [1.0] * 3})
