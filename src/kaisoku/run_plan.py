@@ -444,7 +444,8 @@ def _check_shard(cfg: Config, world: WorldShape | None, hybrid: bool) -> tuple[i
     unsupported = [
         (
             hybrid and par.dp_replicate != 1,
-            "parallel.dp_replicate under pipeline stages (each stage shards over all its replicas; drop it)",
+            "parallel.dp_replicate under pipeline stages or a switch schedule (each stage shards over all its "
+            "replicas; drop it)",
         ),
         (cfg.memory.update_in_backward, "memory.update_in_backward (the sharded step owns the update)"),
         (cfg.optim.kfac.enabled, "optim.kfac.enabled (K-FAC needs whole gradients of each layer)"),
