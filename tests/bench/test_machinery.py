@@ -143,14 +143,13 @@ def test_bootstrap_interval_is_keyed_by_a_fixed_seed_only() -> None:
 
 def test_mnist_goals_stay_in_the_summary_whatever_happens() -> None:
     missing = mnist_goals({}, "mnist.npz not found")
-    assert set(missing) == {"switch_accuracy_gap_in_dp_stds", "switch_speedup_vs_dp"}
+    assert set(missing) == {"switch_accuracy_gap_points", "switch_speedup_vs_dp"}
     assert all(e["value"] is None and not e["met"] and e["reason"] for e in missing.values())
 
-    def config(accuracy: float, std: float, speed: float) -> dict[str, object]:
+    def config(accuracy: float, speed: float) -> dict[str, object]:
         return {
             "accuracy_mean": accuracy,
             "accuracy_per_seed": [accuracy - 0.001, accuracy, accuracy + 0.001],
-            "accuracy_std": std,
             "speed_vs_dp_median": speed,
             "speed_vs_dp_range": [speed - 0.1, speed + 0.1],
             "speed_vs_dp_per_seed": [speed - 0.1, speed, speed + 0.1],
@@ -158,31 +157,45 @@ def test_mnist_goals_stay_in_the_summary_whatever_happens() -> None:
 
     faster = mnist_goals(
         {
-            "dp-only": config(0.98, 0.01, 1.0),
-            "hybrid-only": config(0.97, 0.01, 1.2),
-            "switch": config(0.975, 0.01, 1.1),
+            "dp-only": config(0.98, 1.0),
+            "hybrid-only": config(0.97, 1.2),
+            "switch": config(0.975, 1.1),
         }
     )
-    assert faster["switch_accuracy_gap_in_dp_stds"]["met"] is True
+    assert faster["switch_accuracy_gap_points"]["met"] is True
     assert faster["switch_speedup_vs_dp"]["met"] is False
     assert faster["switch_speedup_vs_dp"]["reason"].startswith("within noise")
-    # Switch half a dp std below dp-only in every seed: a signed gap of -0.5, inside the goal.
-    assert faster["switch_accuracy_gap_in_dp_stds"]["value"] == pytest.approx(-0.5)
+    # Switch half a point below dp-only in every seed: a signed gap of -0.5 points, inside the goal.
+    assert faster["switch_accuracy_gap_points"]["value"] == pytest.approx(-0.5)
+    assert faster["switch_accuracy_gap_points"]["switch_minus_dp_points_per_seed"] == pytest.approx(
+        [-0.5] * 3
+    )
     assert faster["switch_speedup_vs_dp"]["per_seed"] == pytest.approx([1.0, 1.1, 1.2])
     # Per-seed ratios 1.0 / 1.1 / 1.2: their interval reaches 1.0 itself, so "> 1.0" is not settled.
     assert faster["switch_speedup_vs_dp"]["interval"][0] == pytest.approx(1.0)
     slower = mnist_goals(
         {
-            "dp-only": config(0.98, 0.01, 1.0),
-            "hybrid-only": config(0.97, 0.01, 0.8),
-            "switch": config(0.9, 0.01, 1.1),
+            "dp-only": config(0.98, 1.0),
+            "hybrid-only": config(0.97, 0.8),
+            "switch": config(0.9, 1.1),
         }
     )
     assert slower["switch_speedup_vs_dp"]["met"] is False
     assert "not applicable" in slower["switch_speedup_vs_dp"]["reason"]
     assert slower["switch_speedup_vs_dp"]["value"] == 1.1
-    assert slower["switch_accuracy_gap_in_dp_stds"]["met"] is False
-    assert slower["switch_accuracy_gap_in_dp_stds"]["value"] == pytest.approx(-8.0)
+    assert slower["switch_accuracy_gap_points"]["met"] is False
+    assert slower["switch_accuracy_gap_points"]["value"] == pytest.approx(-8.0)
+    # Gaps of -0.2, -0.9 and -1.6 points: a mean of -0.9 above the goal, but an interval reaching below it.
+    straddling = mnist_goals(
+        {
+            "dp-only": {**config(0.98, 1.0), "accuracy_per_seed": [0.98, 0.98, 0.98]},
+            "hybrid-only": config(0.97, 1.2),
+            "switch": {**config(0.971, 1.1), "accuracy_per_seed": [0.978, 0.971, 0.964]},
+        }
+    )
+    entry = straddling["switch_accuracy_gap_points"]
+    assert entry["value"] == pytest.approx(-0.9)
+    assert entry["met"] is False and entry["reason"].startswith("within noise")
 
 
 # ---------------------------------------------------------------------------------------- tree and out

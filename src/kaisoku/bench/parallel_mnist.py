@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from kaisoku.bench.common import goal
+from kaisoku.bench.goals import resolution
 from kaisoku.config import Config
 from kaisoku.data.shards.writer import pack
 from kaisoku.distributed.env import World
@@ -27,6 +28,8 @@ from kaisoku.engine.build import build_trainer
 WORLD_SIZE = 4
 EPOCHS = 2
 GLOBAL_BATCH = 128
+#: The goal on switch's accuracy: at most this many points below dp-only's of the same seed, fixed in advance.
+GAP_GOAL_POINTS = 1.0
 #: Configuration name -> ``parallel.*`` settings.
 CONFIGS: dict[str, dict[str, Any]] = {
     "dp-only": {"dp": 4, "pp": 1, "switch": ""},
@@ -149,13 +152,12 @@ def mnist_goals(mnist: dict[str, Any], missing: str = "") -> dict[str, dict[str,
     if not mnist:
         why = missing or "MNIST was not measured"
         return {
-            "switch_accuracy_gap_in_dp_stds": goal(None, ">= -1.0", reason=why),
+            "switch_accuracy_gap_points": goal(None, f">= -{GAP_GOAL_POINTS}", reason=why),
             "switch_speedup_vs_dp": goal(None, "> 1.0", reason=why),
         }
     dp, hybrid, switch = mnist["dp-only"], mnist["hybrid-only"], mnist["switch"]
-    # Signed, paired by seed (the same data order and initial weights): below 0, switch is worse.
-    std = max(dp["accuracy_std"], 1e-9)
-    gaps = [(s - d) / std for s, d in zip(switch["accuracy_per_seed"], dp["accuracy_per_seed"])]
+    # Signed, in points, paired by seed (the same data order and initial weights): below 0, switch is worse.
+    gaps = [100.0 * (s - d) for s, d in zip(switch["accuracy_per_seed"], dp["accuracy_per_seed"])]
     hybrid_median = hybrid["speed_vs_dp_median"]
     reason = ""
     if hybrid_median <= 1.0:
@@ -163,16 +165,19 @@ def mnist_goals(mnist: dict[str, Any], missing: str = "") -> dict[str, dict[str,
             f"not applicable: hybrid-only was not faster than dp-only here (median per-seed ratio "
             f"{hybrid_median:.3f}); the goal asks switch to be faster wherever hybrid is"
         )
+    gap = goal(
+        None,
+        f">= -{GAP_GOAL_POINTS}",
+        samples=gaps,
+        statistic="mean",
+        unit="seeds",
+        switch_accuracy=switch["accuracy_mean"],
+        dp_accuracy=dp["accuracy_mean"],
+        switch_minus_dp_points_per_seed=[round(g, 3) for g in gaps],
+    )
+    gap.update(resolution(gap, GAP_GOAL_POINTS))
     return {
-        "switch_accuracy_gap_in_dp_stds": goal(
-            None,
-            ">= -1.0",
-            samples=gaps,
-            statistic="mean",
-            unit="seeds",
-            switch_accuracy=switch["accuracy_mean"],
-            dp_accuracy=dp["accuracy_mean"],
-        ),
+        "switch_accuracy_gap_points": gap,
         "switch_speedup_vs_dp": goal(
             switch["speed_vs_dp_median"],
             "> 1.0",
