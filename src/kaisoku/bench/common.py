@@ -385,7 +385,10 @@ def print_table(title: str, rows: list[dict[str, Any]], summary: dict[str, dict[
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    # Redirected to a file, rich assumes 80 columns and crushes a wide table into empty cells.
+    console = (
+        Console() if sys.stdout.isatty() else Console(width=max(160, 12 * len({k for r in rows for k in r})))
+    )
     if rows:
         table = Table(title=title)
         columns = list(dict.fromkeys(key for row in rows for key in row))

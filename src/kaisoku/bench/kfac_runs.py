@@ -103,6 +103,8 @@ FULL_PLAN = Plan(
     target=0.95,
     # Half of x_val: an evaluation costs about 1.7 training steps, and the grids evaluate every 6.
     val_limit=5000,
+    # LARS's best step size was still on the grid's top edge (1.6) after two extensions.
+    extend_limit=4,
     kfac_options={
         "factor_update_steps": 3,
         "inv_update_steps": 6,
