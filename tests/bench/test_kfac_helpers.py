@@ -117,7 +117,9 @@ def test_kfac_methods_are_engine_configs(tmp_path: Path) -> None:
 def test_every_method_gets_the_same_tuning_budget_and_a_stated_target() -> None:
     for plan in (FULL_PLAN, RESNET_PLAN):
         # The same number of step-size points for every method, one horizon grid for all, log-spaced.
-        assert len(plan.kfac_grid) == len(plan.lr_grid) == len(plan.horizons) == 3
+        assert (
+            all(len(plan.grid(method)) == 3 for method in ("sgd", "lars", "kfac")) and len(plan.horizons) == 3
+        )
         assert plan.horizons[1] / plan.horizons[0] == pytest.approx(plan.horizons[2] / plan.horizons[1])
         assert plan.tuned and plan.extend_limit >= 2 and 0.0 < plan.target < 1.0
         # The middle horizon runs whole within the cap; the top one and its extensions end by the cap.
@@ -268,6 +270,7 @@ def test_the_tuned_procedure_runs_end_to_end_on_one_rank(tmp_path: Path, mnist_p
     plan = replace(
         QUICK_PLAN,
         lr_grid=(0.1, 0.2),
+        lars_grid=(0.2, 0.4),
         kfac_grid=(1e-3, 3e-3),
         horizons=(1.0, 2.0),
         max_epochs=2,
@@ -287,6 +290,7 @@ def test_the_tuned_procedure_runs_end_to_end_on_one_rank(tmp_path: Path, mnist_p
         points = [p for p in record["grid"] if p["method"] == method]
         # Both step sizes at the middle horizon (2 epochs), then the other horizon at the best one.
         assert len(points) == 3 and {p["horizon"] for p in points} == {1.0, 2.0}
+        assert {p["setting"] for p in points} == set(plan.grid(method))  # LARS on its own grid
         best = record["best"][method]
         assert (best["setting"], best["horizon"]) in {(p["setting"], p["horizon"]) for p in points}
         assert best["inside"] == {"setting": False, "horizon": False}  # two points: never inside
