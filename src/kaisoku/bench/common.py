@@ -385,13 +385,11 @@ def print_table(title: str, rows: list[dict[str, Any]], summary: dict[str, dict[
     from rich.console import Console
     from rich.table import Table
 
+    columns = list(dict.fromkeys(key for row in rows for key in row))
     # Redirected to a file, rich assumes 80 columns and crushes a wide table into empty cells.
-    console = (
-        Console() if sys.stdout.isatty() else Console(width=max(160, 12 * len({k for r in rows for k in r})))
-    )
+    console = Console() if sys.stdout.isatty() else Console(width=max(160, 12 * len(columns)))
     if rows:
         table = Table(title=title)
-        columns = list(dict.fromkeys(key for row in rows for key in row))
         for column in columns:
             table.add_column(column)
         for row in rows:
