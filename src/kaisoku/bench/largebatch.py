@@ -14,14 +14,16 @@ chance accuracy counts as diverged. The table reports ``x_test`` accuracy, the m
 picked learning rate; an ablation at 64x removes one piece of the recipe at a time.
 
 Large batches are reached by the engine's gradient accumulation (``train.grad_accum``) over micro-batches of
-at most 512 samples: BatchNorm normalises each micro-batch (as data-parallel BatchNorm does per rank), the
-optimizer sees the whole batch.
+B0 samples: BatchNorm normalises each micro-batch, as data-parallel BatchNorm normalises each rank's batch
+when the batch grows with the ranks at B0 a rank; the optimizer sees the whole batch.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import tempfile
 import time
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -36,11 +38,9 @@ from kaisoku.distributed.env import World
 from kaisoku.optim.recipe import CPU_RECIPE, Recipe
 from kaisoku.parts import UserParts
 
-#: Torch intra-op threads for the benchmark.
+#: Torch intra-op threads of each worker process: on 2 cores two one-thread runs at once train about twice
+#: as many samples a second as one run with two threads, whose second thread mostly waits on small kernels.
 THREADS = 1
-
-#: Largest number of samples in one forward pass; bigger batches accumulate gradients.
-MICRO_BATCH = 512
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,9 @@ def train_run(
     seed: int,
     epochs: int,
     work: Path,
-    width: int = 8,
-    base_batch: int = 128,
+    width: int,
+    base_batch: int,
+    micro_batch: int,
 ) -> dict[str, Any]:
     """Train the zoo's ``small-cnn`` with ``method`` at ``batch`` and peak learning rate ``base_lr`` scaled
     to the batch, through the engine; its val and test accuracy (%), steps, seconds and whether it diverged.
@@ -123,7 +124,7 @@ def train_run(
         batch=batch,
         epochs=epochs,
     )
-    cfg.train.grad_accum = max(1, batch // MICRO_BATCH)
+    cfg.train.grad_accum = max(1, batch // micro_batch)
     cfg.train.log_every = 10**9  # one check for non-finite values, at the end
     cfg.model.name, cfg.model.width = "small-cnn", width
     run = EngineRun(cfg, World(), UserParts(train_data=data["train"], val_data=data["val"]))
@@ -152,6 +153,9 @@ class Budget:
     multiples: tuple[int, ...]
     seeds: tuple[int, ...]
     width: int
+    micro_batch: int
+    """Largest number of samples in one forward pass; bigger batches accumulate gradients over micro-batches
+    of this size (BatchNorm normalises each, as data-parallel BatchNorm normalises each rank's batch)."""
     limit: dict[str, int] | None = None
     grid_indices: tuple[int, ...] = (0, 1, 2)
     """Which points of each method's grid to try (quick runs try the middle one only)."""
@@ -160,18 +164,25 @@ class Budget:
     at 64x wanted a learning rate 16x below its grid: 4 extensions were not enough)."""
     ablation: bool = True
     """Run the recipe's ablation at the largest batch."""
+    workers: int = 2
+    """Training runs at once, each in its own process of :data:`THREADS` torch threads."""
 
 
-#: 12 epochs: 72 optimizer steps at 64x (8,192 of 50,000 samples per step). At 3 epochs the 64x batch took
-#: 18 steps, too few for any method to come near the base batch (the recipe stayed 4.0 points below).
-#: The zoo's small-cnn at width 8 costs about twice the 20k-parameter strided CNN recorded before it.
-FULL = Budget(epochs=12, base_batch=128, multiples=(1, 16, 64), seeds=(0, 1, 2), width=8)
+#: B0 = 32 and 3 epochs: 73 optimizer steps at 64x (2,048 of 50,000 samples per step), as many as the
+#: 12 epochs at B0 = 128 recorded before gave it (at 3 epochs there, 18 steps, the recipe stayed 4.0 points
+#: below B0), in a quarter of the samples: at about 0.55 ms a sample for the zoo's small-cnn at width 8 on
+#: one AVX2 thread, the grid of about 75 runs fits the hour on 2 cores, two runs at a time. Micro-batches
+#: of B0, as when the batch grows with the ranks at B0 a rank.
+FULL = Budget(
+    epochs=3, base_batch=32, multiples=(1, 16, 64), seeds=(0, 1, 2), width=8, micro_batch=32, workers=2
+)
 QUICK = Budget(
     epochs=1,
     base_batch=32,
     multiples=(1, 4, 16),
     seeds=(0,),
     width=8,
+    micro_batch=32,
     limit={"train": 4096, "val": 1000, "test": 1000},
     grid_indices=(1,),
     extend_limit=0,
@@ -199,17 +210,9 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         print_table("largebatch", [], summary)
         return write_result("largebatch", out_dir, summary, [], quick=quick, notes=reason)
     budget = QUICK if quick else FULL
-    previous_threads = torch.get_num_threads()
-    # One thread: on a shared 2-core machine a second OpenMP thread mostly waits for a descheduled peer.
-    torch.set_num_threads(THREADS)
     started = time.perf_counter()
-    limit = budget.limit or {}
-    try:
-        data = npz_splits(path, {split: limit.get(split) for split in ("train", "val", "test")})
-        with tempfile.TemporaryDirectory(prefix="kaisoku-bench-largebatch-") as work:
-            runs, table = _grid_and_seeds(data, budget, Path(work))
-    finally:
-        torch.set_num_threads(previous_threads)
+    with tempfile.TemporaryDirectory(prefix="kaisoku-bench-largebatch-") as work:
+        runs, table = _grid_and_seeds(path, budget, Path(work))
     wall = time.perf_counter() - started
 
     b0 = budget.base_batch
@@ -269,9 +272,10 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         f"MNIST 50k/10k/10k, the zoo's small-cnn (width {budget.width}) trained by build_trainer (the engine "
         f"kaisoku train runs), {budget.epochs} epochs at every batch size, "
         f"B0={b0}; lr per (method, batch) picked on x_val from the method's 3-point grid with seed 0, "
-        f"x_test accuracy averaged over seeds {list(budget.seeds)}. Batches above {MICRO_BATCH} accumulate "
-        f"gradients (train.grad_accum) over micro-batches of {MICRO_BATCH}: BatchNorm normalises each "
-        f"micro-batch. Warmup by batch for every method; {THREADS} torch thread(s)."
+        f"x_test accuracy averaged over seeds {list(budget.seeds)}. Batches above {budget.micro_batch} "
+        f"accumulate gradients (train.grad_accum) over micro-batches of {budget.micro_batch}: BatchNorm "
+        f"normalises each micro-batch, as data-parallel BatchNorm does each rank's batch. Warmup by batch "
+        f"for every method; {budget.workers} runs at once, each in its own process of {THREADS} torch thread(s)."
     )
     print_table("largebatch (x_test accuracy %, mean of seeds)", table, summary)
     return write_result(
@@ -288,7 +292,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
                 "epochs": budget.epochs,
                 "base_batch": b0,
                 "batches": [b0 * m for m in budget.multiples],
-                "micro_batch": MICRO_BATCH,
+                "micro_batch": budget.micro_batch,
                 "width": budget.width,
                 "seeds": list(budget.seeds),
                 "limit": budget.limit,
@@ -300,69 +304,124 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     )
 
 
-def _grid_and_seeds(
-    data: dict[str, TensorDataset], budget: Budget, work: Path
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Every training run (grid with the first seed, then the other seeds at the picked lr), the table
-    (one row per method and batch) and the ablation rows at the largest batch."""
-    runs: list[dict[str, Any]] = []
-    table: list[dict[str, Any]] = []
+def _load_splits(path: Path, limit: dict[str, int] | None) -> None:
+    """Worker start-up: one torch thread and the MNIST splits, loaded once per process."""
+    torch.set_num_threads(THREADS)
+    _SPLITS.clear()
+    _SPLITS.update(npz_splits(path, {split: (limit or {}).get(split) for split in ("train", "val", "test")}))
+
+
+#: This process's MNIST splits (set by :func:`_load_splits` when a worker starts).
+_SPLITS: dict[str, TensorDataset] = {}
+
+
+def _one_run(
+    method: Method, batch: int, base_lr: float, seed: int, phase: str, budget: Budget, work: Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One training run in this worker: its result and its row of ``runs``."""
+    result = train_run(
+        _SPLITS, method, batch=batch, base_lr=base_lr, seed=seed, epochs=budget.epochs, work=work,
+        width=budget.width, base_batch=budget.base_batch, micro_batch=budget.micro_batch,
+    )  # fmt: skip
+    return result, _run_row(method.name, batch, seed, result, phase)
+
+
+def _tune_cell(
+    method: Method, batch: int, budget: Budget, work: Path
+) -> tuple[float, list[dict[str, Any]], dict[str, Any]]:
+    """One (method, batch) cell in this worker: the learning rate picked on ``x_val`` with the first seed,
+    every run it took (the grid, then the other seeds at the picked rate) and its table row."""
     first, *others = budget.seeds
-    picked: dict[tuple[str, int], float] = {}
+    runs: list[dict[str, Any]] = []
+    results: dict[float, dict[str, Any]] = {}
 
-    def train(method: Method, batch: int, base_lr: float, seed: int, phase: str) -> dict[str, Any]:
-        result = train_run(
-            data, method, batch=batch, base_lr=base_lr, seed=seed, epochs=budget.epochs, work=work,
-            width=budget.width, base_batch=budget.base_batch,
-        )  # fmt: skip
-        runs.append(_run_row(method.name, batch, seed, result, phase))
-        return result
+    def score(base: float) -> float:
+        results[base], row = _one_run(method, batch, base, first, "grid", budget, work)
+        runs.append(row)
+        return -1.0 if results[base]["diverged"] else results[base]["accuracy"]["val"]
 
-    for method in methods():
-        for multiple in budget.multiples:
-            batch = budget.base_batch * multiple
-            results: dict[float, dict[str, Any]] = {}
+    grid = tuple(method.lr_grid[i] for i in budget.grid_indices)
+    best_base, points, inside = tune(grid, score, budget.extend_limit, failed_score=-1.0)
+    best = results[best_base]
+    tests = [best["accuracy"]["test"]]
+    for seed in others:
+        result, row = _one_run(method, batch, best_base, seed, "seed", budget, work)
+        runs.append(row)
+        tests.append(result["accuracy"]["test"])
+    return (
+        best_base,
+        runs,
+        {
+            "method": method.name,
+            "batch": batch,
+            "steps": best["steps"],
+            "lr": round(best["lr"], 4),
+            "grid_best_inside": inside,
+            "val_grid": " / ".join(f"{p['val_acc']:.2f}" for p in points),
+            "test_mean": round(float(np.mean(tests)), 3),
+            "test_seeds": " / ".join(f"{acc:.2f}" for acc in tests),
+            "test_per_seed": [round(float(acc), 3) for acc in tests],
+        },
+    )
 
-            def score(
-                base: float, method: Method = method, batch: int = batch, results: dict = results
-            ) -> float:
-                results[base] = train(method, batch, base, first, "grid")
-                return -1.0 if results[base]["diverged"] else results[base]["accuracy"]["val"]
 
-            grid = tuple(method.lr_grid[i] for i in budget.grid_indices)
-            best_base, points, inside = tune(grid, score, budget.extend_limit, failed_score=-1.0)
-            picked[(method.name, batch)] = best_base
-            best = results[best_base]
-            tests = [best["accuracy"]["test"]] + [
-                train(method, batch, best_base, seed, "seed")["accuracy"]["test"] for seed in others
-            ]
-            table.append(
-                {
-                    "method": method.name,
-                    "batch": batch,
-                    "steps": best["steps"],
-                    "lr": round(best["lr"], 4),
-                    "grid_best_inside": inside,
-                    "val_grid": " / ".join(f"{p['val_acc']:.2f}" for p in points),
-                    "test_mean": round(float(np.mean(tests)), 3),
-                    "test_seeds": " / ".join(f"{acc:.2f}" for acc in tests),
-                    "test_per_seed": [round(float(acc), 3) for acc in tests],
-                }
-            )
+def _grid_and_seeds(
+    path: Path, budget: Budget, work: Path
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every training run (each cell's grid with the first seed, then its other seeds at the picked lr),
+    the table (one row per method and batch) and the ablation rows at the largest batch.
+
+    The cells train in ``budget.workers`` processes at once. A run's result depends only on its settings and
+    seed, never on the process or the order, and the rows are put back in table order. The recipe's cell
+    at the largest batch goes first, since the ablation runs need its learning rate; they queue behind the
+    other cells and fill the workers at the end.
+    """
+    cells = [(method, budget.base_batch * multiple) for method in methods() for multiple in budget.multiples]
+    largest = budget.base_batch * budget.multiples[-1]
+    first_cell = (RECIPE.name, largest)
+    order = sorted(cells, key=lambda cell: ((cell[0].name, cell[1]) != first_cell, -cell[1]))
+    done: dict[tuple[str, int], tuple[float, list[dict[str, Any]], dict[str, Any]]] = {}
+    context = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(
+        budget.workers, mp_context=context, initializer=_load_splits, initargs=(path, budget.limit)
+    )
+    try:
+        futures = {
+            pool.submit(_tune_cell, method, batch, budget, work): (method.name, batch)
+            for method, batch in order
+        }
+        ablation_runs: list[Future] = []
+        for future in as_completed(futures):
+            key = futures[future]
+            done[key] = future.result()
+            row = done[key][2]
             print(
-                f"  {method.name:16s} batch {batch:5d}: lr {best['lr']:.4g}, test {np.mean(tests):.2f}",
+                f"  {key[0]:16s} batch {key[1]:5d}: lr {row['lr']:.4g}, test {row['test_mean']:.2f}",
                 flush=True,
             )
-    largest = budget.base_batch * budget.multiples[-1]
-    for variant in ablations() if budget.ablation else []:
-        base = picked[(RECIPE.name, largest)]
-        results_of = [train(variant, largest, base, seed, "ablation") for seed in budget.seeds]
-        tests = [result["accuracy"]["test"] for result in results_of]
+            if key == first_cell and budget.ablation:
+                ablation_runs = [
+                    pool.submit(_one_run, variant, largest, done[key][0], seed, "ablation", budget, work)
+                    for variant in ablations()
+                    for seed in budget.seeds
+                ]
+        ablated = [future.result() for future in ablation_runs]
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    runs = [row for method, batch in cells for row in done[(method.name, batch)][1]]
+    table = [done[(method.name, batch)][2] for method, batch in cells]
+    per_variant = len(budget.seeds)
+    for index, variant in enumerate(ablations() if budget.ablation else []):
+        results_of = ablated[index * per_variant : (index + 1) * per_variant]
+        runs.extend(row for _, row in results_of)
+        tests = [result["accuracy"]["test"] for result, _ in results_of]
         table.append(
             {
                 "method": variant.name,
                 "batch": largest,
-                "lr": round(results_of[0]["lr"], 4),
+                "lr": round(results_of[0][0]["lr"], 4),
                 "test_mean": round(float(np.mean(tests)), 3),
                 "test_seeds": " / ".join(f"{acc:.2f}" for acc in tests),
                 "ablation": True,
