@@ -136,5 +136,10 @@ def test_quick_run_records_every_goal_and_leaves_results_alone(name: str, tmp_pa
         assert judged["recommended"] in judged["strategies"] and judged["equal_quality_rule"]
         for entry in judged["strategies"].values():
             assert entry["measured_s"] > 0 and entry["predicted_s"] > 0 and 0 <= entry["quality"] <= 1
+    if name == "largebatch":
+        # The quick run takes every path of the full one, the ablation at the largest batch included.
+        ablated = [row for row in record["rows"] if row.get("ablation")]
+        assert len(ablated) == 4 and all(len(row["test_per_seed"]) == 1 for row in ablated)
+        assert {row["batch"] for row in ablated} == {max(row["batch"] for row in record["rows"])}
     assert record["argv"] == [name, "--quick", "--out", str(tmp_path)]
     assert fingerprint(RECORDED) == before

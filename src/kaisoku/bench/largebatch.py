@@ -186,7 +186,6 @@ QUICK = Budget(
     limit={"train": 4096, "val": 1000, "test": 1000},
     grid_indices=(1,),
     extend_limit=0,
-    ablation=False,
 )
 
 
@@ -424,6 +423,7 @@ def _grid_and_seeds(
                 "lr": round(results_of[0][0]["lr"], 4),
                 "test_mean": round(float(np.mean(tests)), 3),
                 "test_seeds": " / ".join(f"{acc:.2f}" for acc in tests),
+                "test_per_seed": [round(float(acc), 3) for acc in tests],
                 "ablation": True,
             }
         )
