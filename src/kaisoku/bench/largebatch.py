@@ -38,8 +38,8 @@ from kaisoku.distributed.env import World
 from kaisoku.optim.recipe import CPU_RECIPE, Recipe
 from kaisoku.parts import UserParts
 
-#: Torch intra-op threads of each worker process: on 2 cores two one-thread runs at once train about twice
-#: as many samples a second as one run with two threads, whose second thread mostly waits on small kernels.
+#: Torch intra-op threads of each worker process: the cores go to independent runs (``Budget.workers``)
+#: rather than to the small kernels of one run.
 THREADS = 1
 
 
