@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kaisoku.data.node_cache.cache import NodeCacheError
+from kaisoku.data.node_cache.tier_dirs import NodeCacheError
 from kaisoku.data.shards.records import CorruptRecordError
 from kaisoku.engine.divergence import NonFiniteError
 from kaisoku.engine.failures import Failure, classify, decide, mark_run, print_failure

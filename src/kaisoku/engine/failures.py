@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from kaisoku.data.node_cache.cache import NodeCacheError
+from kaisoku.data.node_cache.tier_dirs import NodeCacheError
 from kaisoku.engine import hosts
 from kaisoku.engine.divergence import NonFiniteError
 from kaisoku.errors import KaisokuError

@@ -18,7 +18,7 @@ import torch
 
 from kaisoku.config import Config, to_toml
 from kaisoku.data.loading.loader import ShardLoader
-from kaisoku.data.node_cache.cache import claim_tier, reclaim_dead_tiers, remove_tier
+from kaisoku.data.node_cache.tier_dirs import claim_tier, reclaim_dead_tiers, remove_tier
 from kaisoku.distributed import env
 from kaisoku.distributed.launch import (
     DEFAULT_TIMING,

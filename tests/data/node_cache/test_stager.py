@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +23,15 @@ from kaisoku.data.node_cache.staging import (
 )
 from kaisoku.data.order.sampler import EpochSampler
 from kaisoku.data.order.shuffle import ShuffleSpec
-from tests.data.node_cache.test_cache import SHARD_BYTES, SIZES, _sampler, make_source, train_epoch
+from tests.data.node_cache.test_cache import (
+    RECORD,
+    SHARD_BYTES,
+    SIZES,
+    _sampler,
+    make_source,
+    record_bytes,
+    train_epoch,
+)
 
 
 def test_evictions_match_belady_simulator(tmp_path: Path, ram_dir: Path) -> None:
@@ -95,6 +105,55 @@ def test_eviction_waits_for_readers(tmp_path: Path, ram_dir: Path) -> None:
         train_epoch(cache, sampler, 0)
         assert cache.wait_staged(0, timeout=60)
         assert cache.wait_stalled(timeout=60) is None  # finished
+    finally:
+        cache.close()
+
+
+def test_a_read_ahead_of_progress_waits_for_the_load_planned_for_its_step(
+    tmp_path: Path, ram_dir: Path
+) -> None:
+    paths = make_source(tmp_path / "source", SIZES)
+    sampler = _sampler()
+    trace_of = sampler_trace_fn(sampler, node=0, ranks_per_node=1)
+    cache = NodeCache(
+        paths,
+        ram_dir=ram_dir,
+        ram_capacity=3 * SHARD_BYTES,
+        schedule=StagingSchedule(trace_of, num_epochs=1),
+        run_token="ahead",
+    )
+    actions = plan_staging(trace_of(0, 0), 3 * SHARD_BYTES, np.full(8, SHARD_BYTES)).actions
+    first_evict = next(n for n, a in enumerate(actions) if a.kind == "evict")
+    gated = [a for a in actions[first_evict:] if a.kind == "load"]
+    shards = list(dict.fromkeys(a.shard for a in gated))  # each shard's first load behind the gate
+    assert len(shards) >= 2
+    ahead, plain = (next(a for a in gated if a.shard == s) for s in shards[:2])
+    try:
+        # Training has received nothing; the stager stalls at its first eviction, before these loads.
+        cache.mark_progress(0, 0)
+        assert cache.wait_stalled(timeout=60) == progress_ticket(0, actions[first_evict].after_step + 1)
+        # A read with no step looks ahead of the plan: it goes to the source (the plan loads it later too).
+        assert bytes(cache.shard_buffer(plain.shard)[:RECORD]) == record_bytes(plain.shard * 50)
+        assert cache.tier_of(plain.shard) == "source" and cache.stats()["source_reads"] == 1
+        # A read for its step waits for the load planned for that step, which needs training's progress.
+        read: dict[str, object] = {}
+
+        def reader() -> None:
+            with cache.reading_for(0, ahead.step):
+                read["bytes"] = bytes(cache.shard_buffer(ahead.shard)[:RECORD])
+                read["tier"] = cache.tier_of(ahead.shard)
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while cache.stats()["waits"] == 0 and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cache.stats()["waits"] == 1 and thread.is_alive()
+        cache.mark_progress(0, ahead.step)  # batches 0 .. step - 1 received: every gate before the load opens
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+        assert read == {"bytes": record_bytes(ahead.shard * 50), "tier": "ram"}
+        assert cache.stats()["source_reads"] == 1  # only the read with no step
     finally:
         cache.close()
 

@@ -14,8 +14,9 @@ decodes them: a batch is bit-identical to the one the DataLoader path collates.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -26,6 +27,15 @@ from kaisoku.errors import KaisokuError
 
 Key = tuple[int, int]
 _SKIPPED = np.iinfo(np.int64).min  # the label slot of a sample skipped as damaged
+
+ReadContext = Callable[[Sequence[Key]], contextlib.AbstractContextManager[object]]
+"""Given a batch's keys, the context its reads run in, in the reading thread (the packed loader's says
+which step they are for, see :meth:`kaisoku.data.node_cache.cache.NodeCache.reading_for`)."""
+
+
+def no_read_context(keys: Sequence[Key]) -> contextlib.AbstractContextManager[object]:
+    """The default :data:`ReadContext`: reads need nothing around them."""
+    return contextlib.nullcontext()
 
 
 class FillableDataset(Protocol):
@@ -58,7 +68,8 @@ class ThreadedBatches:
     ``chunked`` (a dataset with ``read_batch_into``, image samples): each thread decodes a contiguous
     chunk of the batch in one ``read_batch_into`` call (:mod:`kaisoku.data.loading.batch_augment`) instead
     of every ``threads``-th sample one call each. (The samples read to size the buffers, the epoch's first,
-    stay the per-sample path's: read once, counted once.)
+    stay the per-sample path's: read once, counted once.) Every read of a batch runs inside
+    ``read_context(keys)``.
     """
 
     def __init__(
@@ -71,8 +82,10 @@ class ThreadedBatches:
         ring: int = 4,
         pin_memory: bool = False,
         chunked: bool = False,
+        read_context: ReadContext = no_read_context,
     ) -> None:
         self.dataset = dataset
+        self.read_context = read_context
         self.chunked = chunked and hasattr(dataset, "read_batch_into")
         self.batches = iter(batches)
         self.threads = max(1, int(threads))
@@ -117,6 +130,18 @@ class ThreadedBatches:
         part: int,
         done: int,
     ) -> None:
+        with self.read_context(keys):
+            self._fill_part(images, labels, kept, keys, part, done)
+
+    def _fill_part(
+        self,
+        images: np.ndarray,
+        labels: np.ndarray,
+        kept: np.ndarray,
+        keys: Sequence[Key],
+        part: int,
+        done: int,
+    ) -> None:
         if self.chunked and self._targets is None:
             size = -(-(len(keys) - done) // self.threads)
             begin, end = done + part * size, min(len(keys), done + (part + 1) * size)
@@ -138,7 +163,8 @@ class ThreadedBatches:
     def _submit(self, pool: ThreadPoolExecutor, keys: Sequence[Key]) -> tuple[Any, ...]:
         first: dict[int, tuple[np.ndarray, int] | None] = {}
         if self._shape is None:
-            first = self._first_samples(keys)
+            with self.read_context(keys):
+                first = self._first_samples(keys)
             sample0 = next(s for s in first.values() if s is not None)
             self._shape = tuple(np.asarray(sample0[0]).shape)
             self._dtype = torch.from_numpy(np.asarray(sample0[0])[:0]).dtype
@@ -172,7 +198,7 @@ class ThreadedBatches:
         with ThreadPoolExecutor(self.threads, thread_name_prefix="kaisoku-decode") as pool:
             try:
                 for keys in self.batches:
-                    pending.append(self._submit(pool, list(keys)))
+                    pending.append(self._submit(pool, keys))
                     if len(pending) > self.prefetch:
                         yield self._finish(pending.popleft())
                 while pending:

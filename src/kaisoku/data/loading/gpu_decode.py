@@ -30,7 +30,7 @@ import simplejpeg
 import torch
 
 from kaisoku.data.loading.batch_augment import keyed_crops
-from kaisoku.data.loading.batches import Key
+from kaisoku.data.loading.batches import Key, ReadContext, no_read_context
 from kaisoku.data.loading.transforms import _JPEG_MAGIC, AugmentSpec, decode_image
 from kaisoku.errors import KaisokuError
 
@@ -174,20 +174,33 @@ class EncodedBatches:
     """Iterate ``(EncodedBatch, labels)`` for ``batches`` of keys, read by ``threads`` threads.
 
     Each batch is read by one thread (records parsed, headers read, crops drawn); ``threads`` batches are
-    read ahead of the one being consumed, in order. A batch does not depend on the thread count.
+    read ahead of the one being consumed, in order. A batch does not depend on the thread count. Its
+    reads run inside ``read_context(keys)``.
     """
 
-    def __init__(self, dataset: EncodableDataset, batches: Iterable[Sequence[Key]], *, threads: int) -> None:
+    def __init__(
+        self,
+        dataset: EncodableDataset,
+        batches: Iterable[Sequence[Key]],
+        *,
+        threads: int,
+        read_context: ReadContext = no_read_context,
+    ) -> None:
         self.dataset = dataset
         self.batches = iter(batches)
         self.threads = max(1, int(threads))
+        self.read_context = read_context
+
+    def _read(self, keys: Sequence[Key]) -> tuple[EncodedBatch, torch.Tensor]:
+        with self.read_context(keys):
+            return self.dataset.read_encoded(list(keys))
 
     def __iter__(self) -> Iterator[tuple[EncodedBatch, torch.Tensor]]:
         pending: deque[Future[tuple[EncodedBatch, torch.Tensor]]] = deque()
         with ThreadPoolExecutor(self.threads, thread_name_prefix="kaisoku-encoded") as pool:
             try:
                 for keys in self.batches:
-                    pending.append(pool.submit(self.dataset.read_encoded, list(keys)))
+                    pending.append(pool.submit(self._read, keys))
                     if len(pending) > self.threads:
                         yield pending.popleft().result()
                 while pending:

@@ -10,9 +10,11 @@ the DataLoader's prefetching ran.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
+import multiprocessing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,16 +23,17 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from kaisoku.data.loading.batches import ThreadedBatches
+from kaisoku.data.loading.batches import Key, ThreadedBatches, no_read_context
 from kaisoku.data.loading.counters import LoaderCounters
 from kaisoku.data.loading.dataset import ShardedDataset
 from kaisoku.data.loading.gpu_decode import EncodedBatch, EncodedBatches, decode_place
 from kaisoku.data.loading.transforms import collate
-from kaisoku.data.node_cache.cache import NodeCache, auto_local_capacity
+from kaisoku.data.node_cache.cache import NodeCache, StopFlag
 from kaisoku.data.node_cache.staging import CacheSettings
+from kaisoku.data.node_cache.tier_dirs import auto_local_capacity
 from kaisoku.data.order.exchange import RecordStore, exchange_for_epoch
 from kaisoku.data.order.quality import shuffle_quality
-from kaisoku.data.order.sampler import EpochSampler, KeyedMicroBatches
+from kaisoku.data.order.sampler import EpochSampler, KeyedMicroBatches, StepKeys
 from kaisoku.data.order.shuffle import ShuffleSpec
 from kaisoku.data.shards.format import INDEX_NAME
 from kaisoku.errors import KaisokuError
@@ -89,6 +92,42 @@ class _ExchangedSamples(Dataset):
 BATCH_PATHS = ("batch", "threads", "processes")
 """How batches are made: threads decoding chunks of a batch in one call each into reused buffers, threads
 decoding sample by sample into them, or DataLoader worker processes."""
+
+
+class _ForTheirStep:
+    """The packed loader's read context: each micro-batch's reads inside the node cache's
+    :meth:`~kaisoku.data.node_cache.cache.NodeCache.reading_for` its step, since its threads and workers
+    read ahead of what training has received; ``stop`` withdraws the steps once the batches are dropped."""
+
+    def __init__(self, cache: NodeCache, stop: StopFlag) -> None:
+        self.cache = cache
+        self.stop = stop
+
+    def __call__(self, keys: Sequence[Key]) -> contextlib.AbstractContextManager[object]:
+        """The context for reading ``keys`` (a :class:`StepKeys`; anything else needs none)."""
+        if not isinstance(keys, StepKeys):
+            return contextlib.nullcontext()
+        return self.cache.reading_for(keys.epoch, keys.step, self.stop)
+
+
+class _ReadsForTheirStep(Dataset):
+    """``samples`` as DataLoader workers read them: each micro-batch inside ``reads(keys)``. A worker gets
+    it with the dataset, whose shard opener is the same cache, so the step reaches the cache that reads."""
+
+    def __init__(self, samples: Any, reads: _ForTheirStep) -> None:
+        self.samples = samples
+        self.reads = reads
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, key: Key) -> Any:
+        return self.samples[key]
+
+    def __getitems__(self, keys: Sequence[Key]) -> list[Any]:
+        """A micro-batch's samples (the DataLoader's batched fetch), read for its step."""
+        with self.reads(keys):
+            return [self.samples[key] for key in keys]
 
 
 class ShardLoader:
@@ -227,9 +266,14 @@ class ShardLoader:
         samples: Any = self.dataset
         if self._received is not None:
             samples = _ExchangedSamples(self.dataset, self._received, epoch)
+        # A process-shared flag: DataLoader workers read too.
+        stop = multiprocessing.Event()
+        reads = no_read_context if self.cache is None else _ForTheirStep(self.cache, stop)
         loader: Any
         if self.decode == "gpu":
-            loader = EncodedBatches(samples, KeyedMicroBatches(self.sampler), threads=max(1, self.workers))
+            loader = EncodedBatches(
+                samples, KeyedMicroBatches(self.sampler), threads=max(1, self.workers), read_context=reads
+            )
         elif self.batch_path in ("batch", "threads"):
             micro = self.sampler.micro_batches
             loader = ThreadedBatches(
@@ -240,23 +284,32 @@ class ShardLoader:
                 ring=2 * micro + 4,  # the trainer holds a step's micro-batches; plus the prefetched ones
                 pin_memory=self.pin_memory,
                 chunked=self.batch_path == "batch",
+                read_context=reads,
             )
         else:
             loader = DataLoader(
-                samples,
+                samples if self.cache is None else _ReadsForTheirStep(samples, reads),
                 batch_sampler=KeyedMicroBatches(self.sampler),
                 num_workers=self.workers,
                 collate_fn=collate,
                 pin_memory=self.pin_memory,
                 prefetch_factor=4 if self.workers > 0 else None,
             )
-        for k, batch in enumerate(loader):
-            self._batches += 1
-            if (k + 1) % self.sampler.micro_batches == 0:
-                self._consumed_steps += 1
-                if self.cache is not None:
-                    self.cache.mark_progress(epoch, self._consumed_steps)
-            yield batch
+        # Held here, not only by the loop: a loop's iterator goes as an exception leaves the loop, before the
+        # ``finally`` below; this one shuts the readers' pool or workers down only when this frame goes.
+        batches = iter(loader)
+        try:
+            for k, batch in enumerate(batches):
+                self._batches += 1
+                if (k + 1) % self.sampler.micro_batches == 0:
+                    self._consumed_steps += 1
+                    if self.cache is not None:
+                        self.cache.mark_progress(epoch, self._consumed_steps)
+                yield batch
+        finally:
+            # Set before the readers shut down (when the trainer drops the batches mid-epoch): a read
+            # waiting for progress that training will now never report gives up.
+            stop.set()
 
     def quality(self, epoch: int) -> float:
         """The shuffle-quality score of ``epoch``'s global order at the global batch (1 random, 0 sequential)."""

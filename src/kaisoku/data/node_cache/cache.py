@@ -10,12 +10,14 @@ Ranks report their progress through :meth:`NodeCache.mark_progress`; the stager'
 for it.
 
 Readers memory-map RAM or local files. A shard that is not staged is waited for when its load comes no
-later than the step the reader's rank has reached (so a shard the plan loads is never read from the
-source, whatever the timing), or when its load needs no more reader progress at all (the stager's open
-window: reads ahead of the reported progress, e.g. in DataLoader workers); anything else, in particular
-an access the plan bypasses, is read from the source. No wait can deadlock: every action before a load
-for step ``t`` is gated on progress to step ``t`` at most, which the slowest rank of the node reaches
-without waiting on anything later than its own step. When the local directory is full or unwritable,
+later than the step being read: the step the reader's rank has reached, or, for a read inside
+:meth:`NodeCache.reading_for` (the loader's prefetching threads and workers), the step of the batch it
+reads; so a shard the plan loads is never read from the source, whatever the timing. It is also waited
+for when its load needs no more reader progress at all (the stager's open window). Anything else, in
+particular an access the plan bypasses, is read from the source. No wait can deadlock: every action
+before a load for step ``t`` is gated on progress to step ``t`` at most, which the slowest rank of the
+node reaches without waiting on anything later than its own step (batches are read in order, so the
+batches before step ``t`` never wait on step ``t``'s). When the local directory is full or unwritable,
 staging into it stops with one warning and training goes on from RAM or the source. Counters (source
 reads and bytes, per process, summed per node) let a test or a benchmark check that an epoch read
 nothing from the source.
@@ -29,7 +31,6 @@ when resuming), then per epoch ``sampler.set_epoch(e)`` and ``cache.mark_progres
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import mmap
 import os
@@ -37,9 +38,9 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -63,9 +64,9 @@ from kaisoku.data.node_cache.stager import (
     staged_shard,
 )
 from kaisoku.data.node_cache.staging import CacheEvent, StagingSchedule, sampler_trace_fn
+from kaisoku.data.node_cache.tier_dirs import unwritable_ram_dir
 from kaisoku.errors import KaisokuError
 from kaisoku.fsutil import atomic_write_text
-from kaisoku.owner import describe, is_gone, this_process
 
 if TYPE_CHECKING:
     from kaisoku.data.order.sampler import EpochSampler
@@ -73,91 +74,25 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-LOCAL_MARGIN_FRACTION = 0.05
-"""Share of the local file system's size left free when ``data.local_capacity`` is not given."""
-LOCAL_MARGIN_MIN = 1 << 30
-"""At least this many bytes are left free on it (1 GiB)."""
+class StopFlag(Protocol):
+    """What tells a read ahead of training that its batch is no longer wanted: a ``threading.Event``, or a
+    ``multiprocessing`` one for DataLoader workers."""
+
+    def is_set(self) -> bool:
+        """True once the batches being read are dropped."""
+        ...
 
 
-def auto_local_capacity(local_dir: str | os.PathLike[str], *, announce: bool = True) -> int:
-    """The local tier's capacity when only its directory is given: free space minus a margin.
+class _ReadingTicket(threading.local):
+    """Per thread: the progress ticket of the batch it reads (see :meth:`NodeCache.reading_for`), or -1,
+    and the flag that withdraws it."""
 
-    The margin is the larger of :data:`LOCAL_MARGIN_FRACTION` of the file system and
-    :data:`LOCAL_MARGIN_MIN`; ``announce`` logs the one line that says what was chosen and why.
-    """
-    probe = Path(local_dir).expanduser().absolute()
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    usage = shutil.disk_usage(probe)
-    margin = max(int(usage.total * LOCAL_MARGIN_FRACTION), LOCAL_MARGIN_MIN)
-    capacity = max(0, int(usage.free) - margin)
-    gib = 1 << 30
-    if announce and capacity > 0:
-        log.warning(
-            "data.local_cache %s has no data.local_capacity: using its file system's free space "
-            "%.1f GiB minus a margin of %.1f GiB = %.1f GiB (set data.local_capacity to choose)",
-            local_dir, usage.free / gib, margin / gib, capacity / gib,
-        )  # fmt: skip
-    elif announce:
-        log.warning(
-            "data.local_cache %s has no data.local_capacity and its file system has only %.1f GiB "
-            "free (margin %.1f GiB): the local tier stays off; free space or set data.local_capacity",
-            local_dir, usage.free / gib, margin / gib,
-        )  # fmt: skip
-    return capacity
+    ticket: int = -1
+    stop: StopFlag | None = None
 
-
-class NodeCacheError(KaisokuError):
-    """A directory of the node cache cannot be used (not the dataset: the data itself is fine)."""
-
-
-TIER_OWNER = "owner.json"
-"""The file in a run's RAM directory that names the process owning it (host, pid, start time)."""
-
-
-def claim_tier(directory: str | os.PathLike[str]) -> None:
-    """Record this process as the owner of a run's RAM directory, so that a later start can reclaim it
-    once this process is gone (:func:`reclaim_dead_tiers`); NodeCacheError when it cannot be written."""
-    path = Path(directory)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path / TIER_OWNER, json.dumps(this_process()))
-    except OSError as error:
-        raise _unwritable_ram_dir(path, error) from None
-
-
-def remove_tier(directory: str | os.PathLike[str]) -> None:
-    """Delete a run's RAM directory (its tier, control files, exchanged samples and owner record)."""
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-def reclaim_dead_tiers(root: str | os.PathLike[str]) -> list[tuple[Path, str]]:
-    """Delete the run directories under ``root`` (``data.ram_dir``) whose owner has ended on this host.
-
-    Returns (directory, owner) of each one removed. Directories owned by a live process, by another
-    host, or without an owner record are left alone.
-    """
-    removed: list[tuple[Path, str]] = []
-    try:
-        entries = sorted(Path(root).expanduser().iterdir())
-    except OSError:
-        return removed
-    for entry in entries:
-        try:
-            owner = json.loads((entry / TIER_OWNER).read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(owner, dict) and is_gone(owner) is True:
-            remove_tier(entry)
-            removed.append((entry, describe(owner)))
-    return removed
-
-
-def _unwritable_ram_dir(path: Path, error: OSError) -> NodeCacheError:
-    return NodeCacheError(
-        f"cannot write to data.ram_dir {path} ({error.strerror or error}); "
-        "set --data.ram-dir to a writable directory (e.g. under /dev/shm)"
-    )
+    def current(self) -> int:
+        """The ticket, or -1 once its batch is dropped."""
+        return -1 if self.stop is not None and self.stop.is_set() else self.ticket
 
 
 class NodeCache:
@@ -234,6 +169,7 @@ class NodeCache:
         )
         self._maps: OrderedDict[int, tuple[str, memoryview]] = OrderedDict()
         self._lock = threading.RLock()
+        self._reading = _ReadingTicket()
         self._stager: Stager | None = None
         self._warned: set[str] = set()
         # Only the process that prepared the node (not a forked DataLoader worker) stages or deletes files.
@@ -313,7 +249,7 @@ class NodeCache:
                 slots=self.reader_slots,
             )
         except OSError as error:
-            raise _unwritable_ram_dir(self.ram_dir, error) from error
+            raise unwritable_ram_dir(self.ram_dir, error) from error
 
     def _prepare_local(self) -> bool:
         """Prepare the local tier's directory (keeping staged shards that check out, see the class docs);
@@ -405,6 +341,7 @@ class NodeCache:
         )
         self._maps = OrderedDict()
         self._lock = threading.RLock()
+        self._reading = _ReadingTicket()
         self._source_held = 0
         self._stager = None
         self._warned = set()
@@ -438,6 +375,23 @@ class NodeCache:
         """
         self.files.progress[self.local_rank] = progress_ticket(epoch, steps_done)
 
+    @contextlib.contextmanager
+    def reading_for(self, epoch: int, step: int, stop: StopFlag | None = None) -> Iterator[None]:
+        """Reads of this thread inside the block are for the rank's batch at ``step`` of ``epoch``.
+
+        A loader reading ahead of what training has received (prefetching threads, DataLoader workers)
+        says so, so that a shard whose planned load is for that step or earlier is waited for rather than
+        read from the source as well: without it, such a read looks ahead of the plan. Such a wait may need
+        training to receive the batches before ``step``; once ``stop`` is set (the loader dropped its
+        batches, e.g. at a layout switch) the read stops waiting for them and goes to the source.
+        """
+        previous = (self._reading.ticket, self._reading.stop)
+        self._reading.ticket, self._reading.stop = progress_ticket(epoch, step), stop
+        try:
+            yield
+        finally:
+            self._reading.ticket, self._reading.stop = previous
+
     @staticmethod
     def _staged_tier(flags: int) -> str | None:
         if flags & FLAG_RAM:
@@ -450,8 +404,9 @@ class NodeCache:
         """The tier holding ``shard`` now: ram, local, or source; waits while it is being staged.
 
         It waits while the stager has not planned this rank's epoch yet, while the shard's load is in the
-        stager's open window, or while its next load is for a step this rank has reached (the plan serves
-        that access from a tier). The stager writes a shard's flags before its next load and an epoch's
+        stager's open window, or while its next load is for a step no later than the one being read (this
+        rank's reported progress, or the batch named by :meth:`reading_for` when that is further): the
+        plan serves that access from a tier. The stager writes a shard's flags before its next load and an epoch's
         next loads before publishing the epoch; read here in the opposite order, so a load that finishes
         between the reads is seen.
         """
@@ -464,7 +419,7 @@ class NodeCache:
             if tier is not None:
                 return tier
             running = int(self.files.control[STATE_SLOT]) == STATE_RUNNING
-            mine = int(self.files.progress[self.local_rank])
+            mine = max(int(self.files.progress[self.local_rank]), self._reading.current())
             planning_behind = int(self.files.control[EPOCH_SLOT]) < mine >> EPOCH_SHIFT
             due = mine >= 0 and int(self.files.next_load[shard]) <= mine
             flags = int(self.files.flags[shard])

@@ -397,7 +397,7 @@ class CacheSettings:
     """Node-local directory for the disk tier (``data.local_cache``); empty: no disk tier."""
     local_capacity: int = 0
     """Bytes the disk tier may use (``data.local_capacity``); 0 with a ``local_dir``: the free space of
-    its file system minus a margin (:func:`kaisoku.data.node_cache.cache.auto_local_capacity`)."""
+    its file system minus a margin (:func:`kaisoku.data.node_cache.tier_dirs.auto_local_capacity`)."""
     ram_dir: str = "/dev/shm/kaisoku"
     """Directory for the RAM tier and the cache's control files (``data.ram_dir``)."""
     ram_capacity: int = 0

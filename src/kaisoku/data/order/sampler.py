@@ -357,10 +357,20 @@ def folder_state(state: dict[str, Any], world_size: int) -> dict[str, Any]:
     }
 
 
+class StepKeys(list[tuple[int, int]]):
+    """A micro-batch's ``(epoch, index)`` keys, with the epoch and the rank's optimizer step they are read
+    for (a plain list to every reader; the node cache's planned loads are keyed by that step)."""
+
+    def __init__(self, keys: list[tuple[int, int]], *, epoch: int, step: int) -> None:
+        super().__init__(keys)
+        self.epoch = epoch
+        self.step = step
+
+
 class KeyedMicroBatches:
     """A DataLoader ``batch_sampler`` over an :class:`EpochSampler`: each rank batch of the current epoch
     cut into ``sampler.micro_batches`` equal parts of ``(epoch, index)`` keys (augmentation is keyed by
-    both)."""
+    both), each a :class:`StepKeys` naming its step."""
 
     def __init__(self, sampler: EpochSampler) -> None:
         self.sampler = sampler
@@ -368,10 +378,12 @@ class KeyedMicroBatches:
     def __len__(self) -> int:
         return len(self.sampler) * self.sampler.micro_batches
 
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+    def __iter__(self) -> Iterator[StepKeys]:
         epoch = self.sampler.epoch
         micro = self.sampler.micro_batches
-        for batch in self.sampler:
+        start = self.sampler.step
+        for n, batch in enumerate(self.sampler):
             size = len(batch) // micro
             for k in range(micro):
-                yield [(epoch, i) for i in batch[k * size : (k + 1) * size]]
+                keys = [(epoch, i) for i in batch[k * size : (k + 1) * size]]
+                yield StepKeys(keys, epoch=epoch, step=start + n)
