@@ -357,9 +357,7 @@ def _tune_cell(
             "lr": round(best["lr"], 4),
             "grid_best_inside": inside,
             "val_grid": " / ".join(f"{p['val_acc']:.2f}" for p in points),
-            "test_mean": round(float(np.mean(tests)), 3),
-            "test_seeds": " / ".join(f"{acc:.2f}" for acc in tests),
-            "test_per_seed": [round(float(acc), 3) for acc in tests],
+            **_test_fields(tests),
         },
     )
 
@@ -421,13 +419,20 @@ def _grid_and_seeds(
                 "method": variant.name,
                 "batch": largest,
                 "lr": round(results_of[0][0]["lr"], 4),
-                "test_mean": round(float(np.mean(tests)), 3),
-                "test_seeds": " / ".join(f"{acc:.2f}" for acc in tests),
-                "test_per_seed": [round(float(acc), 3) for acc in tests],
+                **_test_fields(tests),
                 "ablation": True,
             }
         )
     return runs, table
+
+
+def _test_fields(tests: list[float]) -> dict[str, Any]:
+    """A table row's test accuracies over its seeds: mean, as text, and per seed (the summary's input)."""
+    return {
+        "test_mean": round(float(np.mean(tests)), 3),
+        "test_seeds": " / ".join(f"{acc:.2f}" for acc in tests),
+        "test_per_seed": [round(float(acc), 3) for acc in tests],
+    }
 
 
 def _run_row(method: str, batch: int, seed: int, result: dict[str, Any], phase: str) -> dict[str, Any]:
