@@ -143,6 +143,20 @@ def packed_twelve(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "dst"
 
 
+def _half_cache_loader(packed: Path, ram_dir: Path, path: str, decode: str) -> ShardLoader:
+    """The loader of :func:`packed_twelve` on ``path`` and ``decode``, its RAM tier half the set."""
+    return _loader(
+        packed,
+        ram_dir,
+        workers=2,
+        shuffle=ShuffleSpec(name="block", block_shards=2),
+        path=path,
+        ram_capacity=ShardedDataset(packed).index.nbytes // 2,
+        decode=decode,
+        global_batch=4,
+    )
+
+
 @pytest.mark.parametrize(("path", "decode"), READ_PATHS)
 def test_prefetching_readers_never_read_a_shard_the_plan_loads(
     packed_twelve: Path, ram_dir: Path, path: str, decode: str
@@ -150,16 +164,7 @@ def test_prefetching_readers_never_read_a_shard_the_plan_loads(
     # A cache of half the set: the stager evicts, and each eviction waits for training's progress, while
     # the loader's threads or workers read batches ahead of it. A read ahead of progress must wait for
     # the load planned for its batch's step, not read the shard from the source as well.
-    loader = _loader(
-        packed_twelve,
-        ram_dir,
-        workers=2,
-        shuffle=ShuffleSpec(name="block", block_shards=2),
-        path=path,
-        ram_capacity=ShardedDataset(packed_twelve).index.nbytes // 2,
-        decode=decode,
-        global_batch=4,
-    )
+    loader = _half_cache_loader(packed_twelve, ram_dir, path, decode)
     try:
         for epoch in range(2):
             loader.set_epoch(epoch)
@@ -184,22 +189,12 @@ def test_dropping_the_batches_mid_epoch_releases_reads_waiting_ahead(
 ) -> None:
     # As a layout switch or a rollback does: a prefetching read may be waiting for a load gated on progress
     # that training will now never report; dropping the batches must release it, and the epoch goes on.
-    dataset = ShardedDataset(packed_twelve)
-    capacity = dataset.index.nbytes // 2
-    loader = _loader(
-        packed_twelve,
-        ram_dir,
-        workers=2,
-        shuffle=ShuffleSpec(name="block", block_shards=2),
-        path=path,
-        ram_capacity=capacity,
-        decode=decode,
-        global_batch=4,
-    )
+    loader = _half_cache_loader(packed_twelve, ram_dir, path, decode)
+    capacity = loader.cache_settings.ram_capacity
     trace_of = sampler_trace_fn(loader.sampler, node=0, ranks_per_node=1)
     epoch_trace = trace_of(0, 0)
     plan = plan_staging(
-        epoch_trace.then(trace_of(1, 0)), capacity, dataset.shard_nbytes(), horizon=len(epoch_trace)
+        epoch_trace.then(trace_of(1, 0)), capacity, loader.dataset.shard_nbytes(), horizon=len(epoch_trace)
     )
     # An eviction for a step that every read path has in flight (2 batches ahead) while training has
     # received only the batches before the victim's last use: its gate stays closed, so the read of that

@@ -16,6 +16,7 @@ from kaisoku.data.node_cache.cache import NodeCache
 from kaisoku.data.node_cache.stager import progress_ticket
 from kaisoku.data.node_cache.staging import (
     CacheEvent,
+    StagingAction,
     StagingSchedule,
     belady_evictions,
     plan_staging,
@@ -82,19 +83,25 @@ def _replay(events: list[CacheEvent], initial: list[int]) -> list[int]:
     return resident
 
 
-def test_eviction_waits_for_readers(tmp_path: Path, ram_dir: Path) -> None:
-    paths = make_source(tmp_path / "source", SIZES)
-    sampler = _sampler()
-    trace_of = sampler_trace_fn(sampler, node=0, ranks_per_node=1)
+def _three_shard_ram_cache(
+    tmp_path: Path, ram_dir: Path, token: str
+) -> tuple[NodeCache, list[StagingAction]]:
+    """A RAM tier of 3 of the 8 shards staging one epoch of :func:`_sampler`'s order, and its plan."""
+    trace_of = sampler_trace_fn(_sampler(), node=0, ranks_per_node=1)
     cache = NodeCache(
-        paths,
+        make_source(tmp_path / "source", SIZES),
         ram_dir=ram_dir,
         ram_capacity=3 * SHARD_BYTES,
         schedule=StagingSchedule(trace_of, num_epochs=1),
-        run_token="t3",
+        run_token=token,
     )
-    plan = plan_staging(trace_of(0, 0), 3 * SHARD_BYTES, np.full(8, SHARD_BYTES))
-    first_evict = next(a for a in plan.actions if a.kind == "evict")
+    return cache, plan_staging(trace_of(0, 0), 3 * SHARD_BYTES, np.full(8, SHARD_BYTES)).actions
+
+
+def test_eviction_waits_for_readers(tmp_path: Path, ram_dir: Path) -> None:
+    cache, actions = _three_shard_ram_cache(tmp_path, ram_dir, "t3")
+    sampler = _sampler()
+    first_evict = next(a for a in actions if a.kind == "evict")
     try:
         # No reader has reported progress: the stager fills the capacity, then stops at the first
         # eviction until every rank has finished the step of the victim's last use.
@@ -112,17 +119,7 @@ def test_eviction_waits_for_readers(tmp_path: Path, ram_dir: Path) -> None:
 def test_a_read_ahead_of_progress_waits_for_the_load_planned_for_its_step(
     tmp_path: Path, ram_dir: Path
 ) -> None:
-    paths = make_source(tmp_path / "source", SIZES)
-    sampler = _sampler()
-    trace_of = sampler_trace_fn(sampler, node=0, ranks_per_node=1)
-    cache = NodeCache(
-        paths,
-        ram_dir=ram_dir,
-        ram_capacity=3 * SHARD_BYTES,
-        schedule=StagingSchedule(trace_of, num_epochs=1),
-        run_token="ahead",
-    )
-    actions = plan_staging(trace_of(0, 0), 3 * SHARD_BYTES, np.full(8, SHARD_BYTES)).actions
+    cache, actions = _three_shard_ram_cache(tmp_path, ram_dir, "ahead")
     first_evict = next(n for n, a in enumerate(actions) if a.kind == "evict")
     gated = [a for a in actions[first_evict:] if a.kind == "load"]
     shards = list(dict.fromkeys(a.shard for a in gated))  # each shard's first load behind the gate

@@ -131,34 +131,24 @@ class ThreadedBatches:
         done: int,
     ) -> None:
         with self.read_context(keys):
-            self._fill_part(images, labels, kept, keys, part, done)
-
-    def _fill_part(
-        self,
-        images: np.ndarray,
-        labels: np.ndarray,
-        kept: np.ndarray,
-        keys: Sequence[Key],
-        part: int,
-        done: int,
-    ) -> None:
-        if self.chunked and self._targets is None:
-            size = -(-(len(keys) - done) // self.threads)
-            begin, end = done + part * size, min(len(keys), done + (part + 1) * size)
-            if begin < end:
-                dataset: Any = self.dataset  # a BatchFillableDataset: ``chunked`` checked it has the method
-                got = dataset.read_batch_into(keys[begin:end], images[begin:end])
-                labels[begin:end] = [_SKIPPED if label is None else label for label in got]
-            return
-        for j in range(part, len(keys), self.threads):
-            if j >= done:  # the first ``done`` samples were read while sizing the buffers
-                label = self.dataset.read_into(keys[j], images[j])
-                if self._targets is None:
-                    labels[j] = _SKIPPED if label is None else label
-                else:
-                    kept[j] = label is not None
-                    if label is not None:
-                        labels[j] = label
+            if self.chunked and self._targets is None:
+                size = -(-(len(keys) - done) // self.threads)
+                begin, end = done + part * size, min(len(keys), done + (part + 1) * size)
+                if begin < end:
+                    # A BatchFillableDataset: ``chunked`` checked it has the method.
+                    dataset: Any = self.dataset
+                    got = dataset.read_batch_into(keys[begin:end], images[begin:end])
+                    labels[begin:end] = [_SKIPPED if label is None else label for label in got]
+                return
+            for j in range(part, len(keys), self.threads):
+                if j >= done:  # the first ``done`` samples were read while sizing the buffers
+                    label = self.dataset.read_into(keys[j], images[j])
+                    if self._targets is None:
+                        labels[j] = _SKIPPED if label is None else label
+                    else:
+                        kept[j] = label is not None
+                        if label is not None:
+                            labels[j] = label
 
     def _submit(self, pool: ThreadPoolExecutor, keys: Sequence[Key]) -> tuple[Any, ...]:
         first: dict[int, tuple[np.ndarray, int] | None] = {}
