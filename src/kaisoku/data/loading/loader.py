@@ -28,7 +28,7 @@ from kaisoku.data.loading.counters import LoaderCounters
 from kaisoku.data.loading.dataset import ShardedDataset
 from kaisoku.data.loading.gpu_decode import EncodedBatch, EncodedBatches, decode_place
 from kaisoku.data.loading.transforms import collate
-from kaisoku.data.node_cache.cache import NodeCache, StopFlag
+from kaisoku.data.node_cache.cache import NodeCache
 from kaisoku.data.node_cache.staging import CacheSettings
 from kaisoku.data.node_cache.tier_dirs import auto_local_capacity
 from kaisoku.data.order.exchange import RecordStore, exchange_for_epoch
@@ -97,11 +97,16 @@ decoding sample by sample into them, or DataLoader worker processes."""
 class _ForTheirStep:
     """The packed loader's read context: each micro-batch's reads inside the node cache's
     :meth:`~kaisoku.data.node_cache.cache.NodeCache.reading_for` its step, since its threads and workers
-    read ahead of what training has received; ``stop`` withdraws the steps once the batches are dropped."""
+    read ahead of what training has received; :meth:`withdraw` takes the steps back once the batches are
+    dropped. Its flag is a process-shared one: DataLoader workers read too."""
 
-    def __init__(self, cache: NodeCache, stop: StopFlag) -> None:
+    def __init__(self, cache: NodeCache) -> None:
         self.cache = cache
-        self.stop = stop
+        self.stop = multiprocessing.Event()
+
+    def withdraw(self) -> None:
+        """The batches are dropped: a read waiting for progress that training will now never report gives up."""
+        self.stop.set()
 
     def __call__(self, keys: Sequence[Key]) -> contextlib.AbstractContextManager[object]:
         """The context for reading ``keys`` (a :class:`StepKeys`; anything else needs none)."""
@@ -266,9 +271,8 @@ class ShardLoader:
         samples: Any = self.dataset
         if self._received is not None:
             samples = _ExchangedSamples(self.dataset, self._received, epoch)
-        # A process-shared flag: DataLoader workers read too.
-        stop = multiprocessing.Event()
-        reads = no_read_context if self.cache is None else _ForTheirStep(self.cache, stop)
+        for_their_step = None if self.cache is None else _ForTheirStep(self.cache)
+        reads = no_read_context if for_their_step is None else for_their_step
         loader: Any
         if self.decode == "gpu":
             loader = EncodedBatches(
@@ -288,7 +292,7 @@ class ShardLoader:
             )
         else:
             loader = DataLoader(
-                samples if self.cache is None else _ReadsForTheirStep(samples, reads),
+                samples if for_their_step is None else _ReadsForTheirStep(samples, for_their_step),
                 batch_sampler=KeyedMicroBatches(self.sampler),
                 num_workers=self.workers,
                 collate_fn=collate,
@@ -307,9 +311,8 @@ class ShardLoader:
                         self.cache.mark_progress(epoch, self._consumed_steps)
                 yield batch
         finally:
-            # Set before the readers shut down (when the trainer drops the batches mid-epoch): a read
-            # waiting for progress that training will now never report gives up.
-            stop.set()
+            if for_their_step is not None:  # before the readers shut down (the trainer dropped the batches)
+                for_their_step.withdraw()
 
     def quality(self, epoch: int) -> float:
         """The shuffle-quality score of ``epoch``'s global order at the global batch (1 random, 0 sequential)."""
