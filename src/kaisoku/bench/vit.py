@@ -36,8 +36,12 @@ NAME = "vit"
 WORLD_SIZE = 2
 #: Seeds of the full run; each is trained once per configuration.
 SEEDS = (0, 1, 2, 3)
-#: Epochs of every accuracy run: enough for both sides to pass 60% (5 epochs ended at 63% in one run).
-EPOCHS = 6
+#: Epochs of every accuracy run. 6 left seeds 1-3 between 49% and 61% (a slow start of up to 2 epochs near
+#: chance on some seeds); 10 give those seeds the epochs seed 0 needed to pass 60%, with room.
+EPOCHS = 10
+#: Epochs between validations of the full run: each of 10,000 images costs about a third of an epoch's
+#: training here, and the crossing of 60% is interpolated between the validations around it.
+VAL_EVERY_EPOCHS = 2
 #: Training and validation images of the full run (validation sized for the gap goal: README, "Sizing").
 TRAIN_IMAGES, VAL_IMAGES = 8000, 10_000
 #: The accuracy both sides must reach, and the time-to-accuracy target.
@@ -70,10 +74,11 @@ def vit_config(
     epochs: float,
     size: int,
     batch: int,
-    validate: bool,
+    val_every: int,
     quick: bool = False,
 ) -> Config:
-    """The ``vit-tiny-shapes`` preset pointed at ``data``, with no checkpoints; ``validate`` every epoch."""
+    """The ``vit-tiny-shapes`` preset pointed at ``data``, with no checkpoints, validated every ``val_every``
+    steps (0: after each epoch) and at the end."""
     cfg = vit_tiny_shapes()
     cfg.run_dir = str(run_dir)
     cfg.data.path = str(data)
@@ -85,7 +90,7 @@ def vit_config(
     cfg.train.seed = seed
     cfg.train.epochs = epochs
     cfg.train.device = "cpu"
-    cfg.train.val_every = 0 if validate else 10**9
+    cfg.train.val_every = val_every
     cfg.checkpoint.every_steps = 10**9
     cfg.metrics.progress = False
     return cfg
@@ -142,7 +147,8 @@ def train_seconds_to(curve: list[dict[str, float]], target: float) -> float | No
 def _vit_rank(rank: int, world_size: int, tmp: Path, plan: dict[str, Any]) -> dict[str, Any]:
     world = World(rank=rank, world_size=world_size, local_world_size=world_size)
     data, size, batch = Path(plan["data"]), plan["size"], plan["batch"]
-    total_steps = plan["epochs"] * (plan["train_samples"] // batch)
+    steps_per_epoch = plan["train_samples"] // batch
+    total_steps = plan["epochs"] * steps_per_epoch
     # (a) every seed as dp-only and as switch, the order alternating per seed.
     runs: list[dict[str, Any]] = []
     for index, seed in enumerate(plan["seeds"]):
@@ -155,7 +161,7 @@ def _vit_rank(rank: int, world_size: int, tmp: Path, plan: dict[str, Any]) -> di
                 epochs=plan["epochs"],
                 size=size,
                 batch=batch,
-                validate=True,
+                val_every=plan["val_every_epochs"] * steps_per_epoch,
                 quick=plan["quick"],
             )
             _parallel(cfg, name, total_steps)
@@ -206,6 +212,7 @@ def _plan(quick: bool, work: Path) -> dict[str, Any]:
             "val_samples": 20,
             "batch": 16,
             "epochs": 3,
+            "val_every_epochs": 1,
             "bubble_micro": 2,
             "bubble_rounds": 1,
         }
@@ -220,6 +227,7 @@ def _plan(quick: bool, work: Path) -> dict[str, Any]:
         "val_samples": VAL_IMAGES,
         "batch": 128,
         "epochs": EPOCHS,
+        "val_every_epochs": VAL_EVERY_EPOCHS,
         "bubble_micro": BUBBLE_MICRO,
         "bubble_rounds": 6,
     }
@@ -329,7 +337,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         "accuracy": f"vit-tiny-shapes preset (vit-tiny, AdamW lr 2e-3 wd 0.05, warmup 0.5 epoch + cosine, "
         f"label smoothing 0.1, batch {plan['batch']}) at {plan['size']} px, {plan['epochs']} epochs of "
         f"{plan['train_samples']} images ({total_steps} steps), validated on {plan['val_samples']} images "
-        f"after each epoch; seeds {plan['seeds']}, each as dp-only (dp2, DDP) and as switch (pp2, 1F1B, 4 "
+        f"every {plan['val_every_epochs']} epoch(s) and at the end; seeds {plan['seeds']}, each as dp-only (dp2, DDP) and as switch (pp2, 1F1B, 4 "
         f"micro-batches, for steps 0-{total_steps // 2}, then dp2), the order alternating per seed",
         "bubble": f"vit-tiny at {plan['size']} px split in 2 stages by parameters, {plan['bubble_micro']} "
         f"images a micro-batch, {plan['bubble_rounds']} rounds; bench.parallel.bubble_rank",
