@@ -37,7 +37,7 @@ WORLD_SIZE = 2
 #: Seeds of the full run; each is trained once per configuration.
 SEEDS = (0, 1, 2, 3)
 #: Epochs of every accuracy run. 6 left seeds 1-3 between 49% and 61% (a slow start of up to 2 epochs near
-#: chance on some seeds); 10 give those seeds the epochs seed 0 needed to pass 60%, with room.
+#: chance on some seeds); 10 still left 5 of 8 runs just below 60% (``benchmarks/README.md``, vit, Limits).
 EPOCHS = 10
 #: Epochs between validations of the full run: each of 10,000 images costs about a third of an epoch's
 #: training here, and the crossing of 60% is interpolated between the validations around it.
@@ -350,7 +350,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     }
     notes = (
         "2 ranks share the machine's 2 cores; time to 60% counts training seconds only (each validation's "
-        "seconds taken out), interpolated between the epochs around the crossing; accuracy_run: the first "
+        "seconds taken out), interpolated between the validations around the crossing; accuracy_run: the first "
         "seed's dp-only run; bubble = blocked / step seconds as in kaisoku bench parallel"
     )
     record = write_result(NAME, out_dir, summary, rows, quick=quick, notes=notes, extra=extra)
