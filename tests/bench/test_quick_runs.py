@@ -110,6 +110,8 @@ GOALS: dict[str, set[str]] = {
 }
 
 
+GOALS["throughput"] = {"kaisoku_step_time_vs_loop_with_loader", "kaisoku_images_per_s_vs_synthetic_loop"}
+
 GOALS["shard"] = {
     "largest_params_full_vs_ddp_at_4_ranks",
     "step_time_vs_minimal_fully_shard",

@@ -46,6 +46,7 @@ BENCHMARKS: dict[str, str] = {
     "cosmoflow": "kaisoku.bench.cosmoflow",
     "cluster": "kaisoku.bench.cluster",
     "shard": "kaisoku.bench.shard",
+    "throughput": "kaisoku.bench.throughput",
 }
 
 #: Benchmarks made of cases that ``--case`` may pick one of.

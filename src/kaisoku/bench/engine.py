@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from kaisoku.distributed.data_parallel import BucketPlan, wrap_ddp
 from kaisoku.distributed.env import World, pick_device
 from kaisoku.distributed.spawn import run_ranks
 from kaisoku.engine.build import build_trainer
+from kaisoku.engine.compile import synthetic_batch
 from kaisoku.engine.data_build import build_data
 from kaisoku.models.zoo import build_model
 from kaisoku.optim.factory import build_optimizer
@@ -101,29 +102,52 @@ def config(data: Path, run_dir: Path, global_batch: int) -> Config:
 
 
 class MinimalLoop:
-    """The baseline: its own loader and sampler, the same model, default DDP, the same optimizer."""
+    """The baseline: its own loader and sampler, the same model, default DDP, the same optimizer.
 
-    def __init__(self, cfg: Config, world: World, device: torch.device) -> None:
+    What a hand-written loop does on a GPU as well: channels-last images on CUDA and, under
+    ``precision.mode bf16``, the forward pass in bf16 autocast. DDP only with more than one rank, as
+    ``build_trainer`` does. ``synthetic``: no loader, one fixed batch of the rank's size already on the
+    device, already normalised and in the model's memory format (the compute ceiling)."""
+
+    def __init__(self, cfg: Config, world: World, device: torch.device, *, synthetic: bool = False) -> None:
         torch.manual_seed(cfg.train.seed)
         plan = plan_run(cfg, WorldShape(world.world_size, world.local_world_size))
-        data = build_data(plan, world, device)
-        if isinstance(data.train, ShardLoader):
-            data.train.connect(run_token="minimal-baseline")
+        # The trainer's rule (engine.build): channels-last for images on CUDA.
+        self.channels_last = device.type == "cuda" and len(plan.sample_shape) == 3 and bool(plan.mean)
+        self.loader: Any = None
+        self._fixed: tuple[torch.Tensor, torch.Tensor] | None = None
+        if synthetic:
+            shape = (plan.rank_batch, *plan.sample_shape)
+            images, labels = synthetic_batch(shape, plan.model.spec.num_classes, device, seed=cfg.train.seed)
+            if self.channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            self._fixed = images, labels
+        else:
+            data = build_data(plan, world, device)
+            if isinstance(data.train, ShardLoader):
+                data.train.connect(run_token="minimal-baseline")
+            self.loader = data.train
         model = build_model(
             cfg.model.name,
             num_classes=plan.model.spec.num_classes,
             stem=cfg.model.stem,
             in_channels=plan.model.spec.in_channels,
         ).to(device)
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        self.bf16 = cfg.precision.mode == "bf16"
         self.optimizer = build_optimizer(model, cfg.optim)
-        self.model = wrap_ddp(model, device, plan=BucketPlan(mode="uniform"))
+        self.model: nn.Module = (
+            wrap_ddp(model, device, plan=BucketPlan(mode="uniform")) if world.world_size > 1 else model
+        )
         self.device = device
-        self.loader = data.train
         self.mean, self.std = plan.mean, plan.std
         self._batches: Any = None
         self._epoch = 0
 
     def _next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._fixed is not None:
+            return self._fixed
         while True:
             if self._batches is None:
                 self.loader.set_epoch(self._epoch)
@@ -135,61 +159,100 @@ class MinimalLoop:
                 self._epoch += 1
 
     def run(self, steps: int) -> None:
-        """Run ``steps`` optimizer steps."""
+        """Run ``steps`` optimizer steps (the last loss read back: the device has finished them)."""
         self.model.train()
         for _ in range(steps):
             images, labels = self._next()
-            images, labels = (
-                images.to(self.device, non_blocking=True),
-                labels.to(self.device, non_blocking=True),
-            )
-            loss = nn.functional.cross_entropy(self.model(normalize(images, self.mean, self.std)), labels)
+            if self._fixed is None:
+                images = normalize(images.to(self.device, non_blocking=True), self.mean, self.std)
+                labels = labels.to(self.device, non_blocking=True)
+                if self.channels_last:
+                    images = images.contiguous(memory_format=torch.channels_last)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                loss = nn.functional.cross_entropy(self.model(images), labels)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
         loss.item()
 
 
-def measure_row(cfg: Config, world: World, plan: dict[str, int]) -> dict[str, Any]:
-    """Rounds of kaisoku and the minimal loop on ``cfg``'s data: at least ``min_rounds``, then until
-    ``row_seconds`` of measured time are spent or ``max_rounds`` are done.
+def alternating_rounds(
+    blocks: dict[str, Callable[[], float]], chunk: int, plan: dict[str, int]
+) -> tuple[list[dict[str, float]], float]:
+    """Rounds of the sides in ``blocks``, each call of which runs ``chunk`` steps and returns its seconds
+    per step: two warm-up passes, then ``chunks_per_round`` passes a round, the order reversed every other
+    pass; at least ``min_rounds``, then until ``row_seconds`` of measured time are spent or ``max_rounds``
+    are done. Returns each round's mean seconds per step of every side, and the measured seconds.
 
     The rounds' count never depends on the ratios seen (no stopping when the interval looks decided):
     the interval keeps its coverage. The budget is counted in the measured chunk times, which every rank
     holds alike, so that every rank decides the same.
     """
+    for _ in range(2):  # warm-up: loader workers, allocator, DDP bucket rebuild
+        for block in blocks.values():
+            block()
+    rounds: list[dict[str, float]] = []
+    spent = 0.0
+    passes = plan["chunks_per_round"]
+    while len(rounds) < plan["max_rounds"]:
+        totals = dict.fromkeys(blocks, 0.0)
+        for index in range(passes):
+            order = list(blocks) if index % 2 == 0 else list(reversed(blocks))
+            for name in order:
+                totals[name] += blocks[name]()
+        spent += chunk * sum(totals.values())
+        rounds.append({name: total / passes for name, total in totals.items()})
+        if len(rounds) >= plan["min_rounds"] and spent >= plan["row_seconds"]:
+            break
+    return rounds, spent
+
+
+def median_ratio_goal(ratios: Sequence[float], target: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The per-round ``ratios``' statistics (row fields) and their median's goal entry against ``target``,
+    judged on the distribution-free 95% interval of the median (:func:`median_interval`)."""
+    median, iqr = median_iqr(ratios)
+    rounds = len(ratios)
+    interval = median_interval(list(ratios))
+    level = f"{100 * CONFIDENCE:.0f}%"
+    reason = ""
+    if interval is None:
+        reason = f"{rounds} rounds give no {level} interval of the median ratio: not precise enough to judge"
+    fields = {
+        "rounds": rounds,
+        "ratio_median": round(median, 4),
+        "ratio_ci95": [round(v, 4) for v in interval] if interval is not None else None,
+        "ratio_iqr": round(iqr, 4),
+        "ratio_min": round(min(ratios), 4),
+        "ratio_max": round(max(ratios), 4),
+        "ratios": [round(r, 4) for r in ratios],
+    }
+    # goal() judges the interval: met only when all of it clears the target, else "within noise".
+    judged = (
+        Interval(
+            interval[0], interval[1], f"distribution-free {level} interval of the median over {rounds} rounds"
+        )
+        if interval is not None
+        else None
+    )
+    entry = goal(median, target, interval=judged, reason=reason, iqr=round(iqr, 4), rounds=rounds)
+    return fields, entry
+
+
+def measure_row(cfg: Config, world: World, plan: dict[str, int]) -> dict[str, Any]:
+    """Rounds of kaisoku and the minimal loop on ``cfg``'s data (:func:`alternating_rounds`)."""
     trainer = build_trainer(cfg, world, resume="")
     baseline = MinimalLoop(cfg, world, pick_device(cfg.train.device, world))
     if baseline.loader.steps_per_epoch != trainer.train_data.steps_per_epoch:
         raise RuntimeError("the two sides' epochs differ in steps")
     # One chunk is one log interval: kaisoku writes its metrics line once per chunk, as in training.
     chunk = cfg.train.log_every
-    blocks: dict[str, Callable[[], None]] = {
-        "kaisoku": lambda: trainer.run(trainer.state.step + chunk),
-        "minimal": lambda: baseline.run(chunk),
+    blocks: dict[str, Callable[[], float]] = {
+        "kaisoku": lambda: slowest_rank_seconds(lambda: trainer.run(trainer.state.step + chunk), chunk),
+        "minimal": lambda: slowest_rank_seconds(lambda: baseline.run(chunk), chunk),
     }
-    for _ in range(2):  # warm-up: loader workers, allocator, DDP bucket rebuild
-        for block in blocks.values():
-            slowest_rank_seconds(block, chunk)
-    rounds: list[dict[str, float]] = []
-    spent = 0.0
-    while len(rounds) < plan["max_rounds"]:
-        totals = dict.fromkeys(blocks, 0.0)
-        for pair in range(plan["chunks_per_round"]):
-            order = list(blocks) if pair % 2 == 0 else list(reversed(blocks))
-            for name in order:
-                totals[name] += slowest_rank_seconds(blocks[name], chunk)
-        pairs = plan["chunks_per_round"]
-        spent += chunk * (totals["kaisoku"] + totals["minimal"])
-        rounds.append(
-            {
-                "kaisoku": totals["kaisoku"] / pairs,
-                "minimal": totals["minimal"] / pairs,
-                "ratio": totals["kaisoku"] / totals["minimal"],
-            }
-        )
-        if len(rounds) >= plan["min_rounds"] and spent >= plan["row_seconds"]:
-            break
+    rounds, spent = alternating_rounds(blocks, chunk, plan)
+    for r in rounds:
+        r["ratio"] = r["kaisoku"] / r["minimal"]
     trainer.metrics.close()
     for loader in (trainer.train_data, baseline.loader):
         loader.close()
@@ -207,38 +270,17 @@ def _rank_main(rank: int, world_size: int, tmp: Path, data: dict[str, str], plan
 
 def _row(name: str, result: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The JSON row of one data path and its summary entry."""
-    ratios = [r["ratio"] for r in result["rounds"]]
-    median, iqr = median_iqr(ratios)
-    rounds = len(ratios)
-    interval = median_interval(ratios)
-    level = f"{100 * CONFIDENCE:.0f}%"
-    reason = ""
-    if interval is None:
-        reason = f"{rounds} rounds give no {level} interval of the median ratio: not precise enough to judge"
-    ci = [round(v, 4) for v in interval] if interval is not None else None
+    fields, entry = median_ratio_goal([r["ratio"] for r in result["rounds"]], f"<= {GOAL}")
     row = {
         "data": name,
-        "rounds": rounds,
+        "rounds": fields.pop("rounds"),
         "steps_per_block": result["steps_per_block"],
         "measured_seconds": round(result["measured_seconds"], 1),
-        "ratio_median": round(median, 4),
-        "ratio_ci95": ci,
-        "ratio_iqr": round(iqr, 4),
-        "ratio_min": round(min(ratios), 4),
-        "ratio_max": round(max(ratios), 4),
+        **{k: v for k, v in fields.items() if k != "ratios"},
         "kaisoku_ms_per_step": [round(1000 * r["kaisoku"], 2) for r in result["rounds"]],
         "minimal_ms_per_step": [round(1000 * r["minimal"], 2) for r in result["rounds"]],
-        "ratios": [round(r, 4) for r in ratios],
+        "ratios": fields["ratios"],
     }
-    # goal() judges the interval: met only when all of it lies at or below the goal, else "within noise".
-    judged = (
-        Interval(
-            interval[0], interval[1], f"distribution-free {level} interval of the median over {rounds} rounds"
-        )
-        if interval is not None
-        else None
-    )
-    entry = goal(median, f"<= {GOAL}", interval=judged, reason=reason, iqr=round(iqr, 4), rounds=rounds)
     return row, entry
 
 
