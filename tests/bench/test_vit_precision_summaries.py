@@ -107,6 +107,21 @@ def test_precision_gap_keeps_its_sign_and_is_unmet_inside_its_interval() -> None
     assert {a["mode"] for a in aggregates} == {"int16-stats", "int8-stats", "int8-fixed"}
 
 
+def test_a_failed_precision_run_leaves_its_goal_unmet_and_the_others_judged() -> None:
+    task = Task("mnist", "small-cnn", "small", 28, 64, 150, 0.1, 10_000, seeds=(0, 1, 2))
+    rows = _precision_rows("mnist", {"int16-stats": [0.01, -0.01, 0.0], "int8-stats": [-0.7, -0.8, -0.75]})
+    failed = next(r for r in rows if r["mode"] == "int8-stats" and r["seed"] == 1)
+    failed.update(accuracy=None, step_s=None, error="NonFiniteError: loss nan at step 40")
+    summary, aggregates = _summarise(rows, {"tasks": [task]}, {}, quick=False)
+    int8 = summary["int8_stats_gap_points_mnist_small_cnn"]
+    assert int8["met"] is False
+    assert int8["reason"] == "runs failed: int8-stats seed 1 (NonFiniteError: loss nan at step 40)"
+    assert int8["per_seed"] == [pytest.approx(-0.7, abs=1e-6), None, pytest.approx(-0.75, abs=1e-6)]
+    assert summary["int16_stats_gap_points_mnist_small_cnn"]["met"] is True  # its seeds all ran
+    row = next(a for a in aggregates if a["mode"] == "int8-stats")
+    assert row["gap_points_mean"] == pytest.approx(-0.725, abs=1e-3)
+
+
 def test_sizing_helpers_follow_the_stated_arithmetic() -> None:
     assert paired_gap_std(0.25, 5000) == pytest.approx(math.sqrt(0.25 / 5000))
     assert seeds_for_half_width(0.9, 1.0) == 4  # 1.96 * 0.9 / sqrt(4) = 0.88 < 1; sqrt(3) gives 1.02

@@ -9,6 +9,7 @@ section precision.
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import statistics
 import tempfile
@@ -27,6 +28,7 @@ from kaisoku.data.datagen import generate
 from kaisoku.data.shards.writer import pack
 from kaisoku.distributed.env import World
 from kaisoku.engine.build import build_trainer
+from kaisoku.errors import KaisokuError
 from kaisoku.run_facts import check_config
 
 #: Mode label -> ``precision.*`` settings.
@@ -140,22 +142,27 @@ def train_config(task: Task, data: Path, run_dir: Path, seed: int, mode: str) ->
 
 
 def _one_run(task: Task, data: str, work: str, seed: int, mode: str) -> dict[str, Any]:
-    """Train one (task, seed, mode) in this worker process; its row."""
+    """Train one (task, seed, mode) in this worker process; its row. A run that stops on a known failure (a
+    loss gone non-finite, ...) is a row with no accuracy and its ``error``: one run does not end the record,
+    and the goals its seed enters say it failed."""
     import contextlib
     import io
 
     torch.set_num_threads(1)
     cfg = train_config(task, Path(data), Path(work) / f"{task.name}-{mode}-{seed}", seed, mode)
     check_config(cfg, 1)
+    row: dict[str, Any] = {"task": task.name, "mode": mode, "seed": seed}
     with contextlib.redirect_stdout(io.StringIO()):
         trainer = build_trainer(cfg, World())
-        summary = trainer.fit()
-    trainer.metrics.close()
+        try:
+            summary = trainer.fit()
+        except KaisokuError as exc:
+            return {**row, "accuracy": None, "step_s": None, "error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            trainer.metrics.close()
     totals = trainer.precision.monitor.totals() if trainer.precision.monitor is not None else {}
     return {
-        "task": task.name,
-        "mode": mode,
-        "seed": seed,
+        **row,
         "steps": summary["steps"],
         "accuracy": summary.get("val_accuracy"),
         "final_loss": summary["final_loss"],
@@ -247,6 +254,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
             "step_time_vs_fp32": "step time vs fp32",
             "grad_underflow_mean": "grad underflow",
             "note": "note",
+            "error": "error",
         },
         quick=quick,
         notes=notes,
@@ -269,7 +277,9 @@ def _summarise(
     )
     for task in settings["tasks"]:
         label = "mnist_small_cnn" if task.name == "mnist" else "shapes_resnet10"
-        fp32_accuracy = [r["accuracy"] for (name, _), r in base.items() if name == task.name]
+        fp32_accuracy = [
+            r["accuracy"] for (name, _), r in base.items() if name == task.name and r["accuracy"] is not None
+        ]
         reason = quick_reason
         if not quick and fp32_accuracy and statistics.mean(fp32_accuracy) < LEARNED:
             reason = (
@@ -281,15 +291,31 @@ def _summarise(
             if r["task"] == task.name and r["mode"] != "fp32":
                 mode_rows.setdefault(r["mode"], []).append(r)
         for mode, group in mode_rows.items():
-            gaps = [100.0 * (r["accuracy"] - base[(task.name, r["seed"])]["accuracy"]) for r in group]
-            times = [r["step_s"] / base[(task.name, r["seed"])]["step_s"] for r in group]
+            pairs = [(r, base[(task.name, r["seed"])]) for r in group]
+            # A seed whose run (of the mode or of fp32) failed has no gap: NaN, which the goal counts as
+            # unmeasured; its reason names the failed runs.
+            gaps = [
+                math.nan
+                if r["accuracy"] is None or b["accuracy"] is None
+                else 100.0 * (r["accuracy"] - b["accuracy"])
+                for r, b in pairs
+            ]
+            times = [r["step_s"] / b["step_s"] for r, b in pairs if r["step_s"] and b["step_s"]]
+            failed = [
+                f"{x['mode']} seed {x['seed']} ({x['error']})"
+                for pair in pairs
+                for x in pair
+                if x.get("error")
+            ]
+            mode_reason = reason or (f"runs failed: {'; '.join(failed)}" if failed else "")
+            finite_gaps = [g for g in gaps if math.isfinite(g)]
             aggregates.append(
                 {
                     "task": task.name,
                     "mode": mode,
-                    "gap_points_mean": round(statistics.mean(gaps), 3),
-                    "gap_points_per_seed": [round(g, 3) for g in gaps],
-                    "step_time_vs_fp32": round(statistics.median(times), 3),
+                    "gap_points_mean": round(statistics.mean(finite_gaps), 3) if finite_gaps else None,
+                    "gap_points_per_seed": [round(g, 3) if math.isfinite(g) else None for g in gaps],
+                    "step_time_vs_fp32": round(statistics.median(times), 3) if times else None,
                 }
             )
             if mode in GOAL_POINTS:
@@ -300,9 +326,9 @@ def _summarise(
                     samples=gaps,
                     statistic="mean",
                     unit="seeds",
-                    reason=reason,
-                    per_seed=[round(g, 3) for g in gaps],
-                    step_time_vs_fp32=round(statistics.median(times), 3),
+                    reason=mode_reason,
+                    per_seed=[round(g, 3) if math.isfinite(g) else None for g in gaps],
+                    step_time_vs_fp32=round(statistics.median(times), 3) if times else None,
                 )
                 entry.update(resolution(entry, GOAL_POINTS[mode]))
             if mode == "int8-fixed":
@@ -312,10 +338,10 @@ def _summarise(
                     samples=gaps,
                     statistic="mean",
                     unit="seeds",
-                    reason=reason,
+                    reason=mode_reason,
                     note="the control: expected much worse than fp32",
-                    per_seed=[round(g, 3) for g in gaps],
-                    step_time_vs_fp32=round(statistics.median(times), 3),
+                    per_seed=[round(g, 3) if math.isfinite(g) else None for g in gaps],
+                    step_time_vs_fp32=round(statistics.median(times), 3) if times else None,
                 )
         for mode in [*GOAL_POINTS, "int8-fixed"]:
             prefix = (
