@@ -309,13 +309,15 @@ def _summarise(
             ]
             mode_reason = reason or (f"runs failed: {'; '.join(failed)}" if failed else "")
             finite_gaps = [g for g in gaps if math.isfinite(g)]
+            per_seed = [round(g, 3) if math.isfinite(g) else None for g in gaps]
+            step_time = round(statistics.median(times), 3) if times else None
             aggregates.append(
                 {
                     "task": task.name,
                     "mode": mode,
                     "gap_points_mean": round(statistics.mean(finite_gaps), 3) if finite_gaps else None,
-                    "gap_points_per_seed": [round(g, 3) if math.isfinite(g) else None for g in gaps],
-                    "step_time_vs_fp32": round(statistics.median(times), 3) if times else None,
+                    "gap_points_per_seed": per_seed,
+                    "step_time_vs_fp32": step_time,
                 }
             )
             if mode in GOAL_POINTS:
@@ -327,8 +329,8 @@ def _summarise(
                     statistic="mean",
                     unit="seeds",
                     reason=mode_reason,
-                    per_seed=[round(g, 3) if math.isfinite(g) else None for g in gaps],
-                    step_time_vs_fp32=round(statistics.median(times), 3) if times else None,
+                    per_seed=per_seed,
+                    step_time_vs_fp32=step_time,
                 )
                 entry.update(resolution(entry, GOAL_POINTS[mode]))
             if mode == "int8-fixed":
@@ -340,8 +342,8 @@ def _summarise(
                     unit="seeds",
                     reason=mode_reason,
                     note="the control: expected much worse than fp32",
-                    per_seed=[round(g, 3) if math.isfinite(g) else None for g in gaps],
-                    step_time_vs_fp32=round(statistics.median(times), 3) if times else None,
+                    per_seed=per_seed,
+                    step_time_vs_fp32=step_time,
                 )
         for mode in [*GOAL_POINTS, "int8-fixed"]:
             prefix = (
