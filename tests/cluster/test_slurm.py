@@ -1,4 +1,4 @@
-"""The README's Slurm example (examples/slurm/train.sbatch) run in a cluster in a box: sbatch's environment
+"""The Slurm example in docs/clusters.md (examples/slurm/train.sbatch) run in a cluster in a box: sbatch's environment
 on the first host, srun's tasks on both, each task a rank that reads its place from SLURM_*."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _srun_on_path(folder: Path) -> Path:
 
 
 def test_the_readme_shows_the_sbatch_script() -> None:
-    assert SCRIPT.read_text().strip() in (REPO / "README.md").read_text()
+    assert SCRIPT.read_text().strip() in (REPO / "docs" / "clusters.md").read_text()
 
 
 @pytest.mark.timeout(300)
