@@ -184,3 +184,42 @@ def test_a_killed_rank_restarts_once_and_finishes_bit_identical(
     assert steps == sorted(set(steps)) and steps[-1] == 30
     assert [r["restart"] for r in lines if r.get("event") == "resume"] == [1]
     assert list(ram.iterdir()) == []  # the killed rank's tier was reclaimed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["sigterm", "sigusr1"])
+def test_a_signal_to_the_launcher_checkpoints_its_step_and_the_rerun_ends_bit_identical(
+    tmp_path: Path, packed: Path, uninterrupted: dict[str, torch.Tensor], sig: signal.Signals
+) -> None:
+    """What Slurm sends at a time limit (SIGTERM) or ahead of it (``--signal=USR1@120``): the ranks finish
+    the same step, write its checkpoint and end with exit 75; ``--resume auto`` then ends as if never
+    stopped."""
+    run_dir = tmp_path / "run"
+    args = train_args(packed, run_dir, *_RESTART_ARGS)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=train_env())
+    metrics = run_dir / "metrics.jsonl"
+    assert wait_for(lambda: metrics.exists() and metrics.read_text().count('"loss"') >= 5, 180)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 75, stderr[-3000:]
+    assert "Traceback" not in stderr
+    cause, hint = stderr.strip().splitlines()
+    prefix = f"kaisoku: stopped by {sig.name} at step "
+    assert cause.startswith(prefix) and cause.endswith(" written"), cause
+    step = int(cause[len(prefix) :].split(";")[0])
+    assert 5 <= step < 30
+    assert cause == f"{prefix}{step}; checkpoint step {step} written"
+    newest = max(int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*.pt"))
+    assert newest == step  # the step it stopped at, not the last every-2-steps checkpoint
+    assert hint.startswith(f"kaisoku: rerun with --resume auto to continue from checkpoint step {step}; ")
+    state = json.loads((run_dir / "run.json").read_text())
+    assert state["status"] == "stopped" and state["exit_code"] == 75 and state["ended"] is not None
+
+    resumed = subprocess.run(
+        [*args, "--resume", "auto"], capture_output=True, text=True, timeout=240, env=train_env()
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    final = torch.load(run_dir / "checkpoints" / "step-00000030.pt", weights_only=True)["model"]
+    assert final.keys() == uninterrupted.keys()
+    assert all(torch.equal(final[key], uninterrupted[key]) for key in final)

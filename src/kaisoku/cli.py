@@ -361,11 +361,11 @@ def cmd_plan(argv: Sequence[str]) -> int:
 
 
 def cmd_ckpt(argv: Sequence[str]) -> int:
-    """``kaisoku ckpt convert SRC DEST``."""
+    """``kaisoku ckpt convert SRC DEST`` and ``kaisoku ckpt verify PATH``."""
     from pathlib import Path
 
     # start-up: each command imports only what it runs
-    from kaisoku.engine.ckpt_convert import convert_checkpoint
+    from kaisoku.engine.ckpt_convert import convert_checkpoint, verify_checkpoints
 
     parser = CommandParser(prog="kaisoku ckpt", description="Work on checkpoints.")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -380,7 +380,21 @@ def cmd_ckpt(argv: Sequence[str]) -> int:
     )
     convert.add_argument("src", help="a checkpoint folder or .pt file")
     convert.add_argument("dest", help="where the other form goes (must not exist)")
+    verify = actions.add_parser(
+        "verify",
+        help="check checkpoints against their content checksums",
+        description=(
+            "Check a checkpoint (a step-XXXXXXXX.pt file or step-XXXXXXXX/ folder), or every checkpoint of a "
+            "run folder, against the content checksums written with it: one line each; exit 3 when any is "
+            "damaged (--resume auto skips those)."
+        ),
+    )
+    verify.add_argument("path", help="a checkpoint file or folder, or a run folder")
     args = parser.parse_args(list(argv))
+    if args.action == "verify":
+        lines, sound = verify_checkpoints(Path(args.path))
+        print("\n".join(lines))
+        return 0 if sound else 3
     print(convert_checkpoint(Path(args.src), Path(args.dest)))
     return 0
 
@@ -406,7 +420,7 @@ _SUMMARIES = {
     "report": "write RUN_DIR/report.html: a run's plots, events, config and environment",
     "probe": "measure a file system and this node's disk and RAM into a cluster profile",
     "plan": "predict epoch time of each data strategy on a cluster and recommend one",
-    "ckpt": "convert a sharded checkpoint folder into one file, or back (kaisoku ckpt convert SRC DEST)",
+    "ckpt": "verify checkpoints, or convert a sharded folder into one file and back (kaisoku ckpt verify|convert)",
 }
 """One line per command for ``kaisoku --help``."""
 

@@ -14,3 +14,10 @@ class ConfigError(KaisokuError):
     """A wrong preset, config key, override or value: exit code 2, as for a usage error."""
 
     exit_code = 2
+
+
+class DamagedDataError(KaisokuError):
+    """Damaged data: a packed dataset's index that contradicts itself, a checkpoint whose content checksums
+    differ. Exit code 3, as ``kaisoku train`` gives for damaged data."""
+
+    exit_code = 3

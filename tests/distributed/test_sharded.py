@@ -306,16 +306,16 @@ def test_convert_refuses_bad_sources(
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a checkpoint")
     (tmp_path / "empty").mkdir()
-    cases = {
-        tmp_path / "missing": "does not exist",
-        tmp_path / "empty": "is not a kaisoku checkpoint",
-        incomplete: "is incomplete (no .metadata)",
-        damaged: "is corrupt or unreadable (its shard file __1_0.distcp is cut short: 1000 of ",
-        junk: "is corrupt or unreadable",
+    cases = {  # damaged data exits 3, a path that is no checkpoint at all 2
+        tmp_path / "missing": ("does not exist", 2),
+        tmp_path / "empty": ("is not a kaisoku checkpoint", 2),
+        incomplete: ("is incomplete (no .metadata)", 3),
+        damaged: ("is corrupt or unreadable (its shard file __1_0.distcp is cut short: 1000 of ", 3),
+        junk: ("is corrupt or unreadable", 3),
     }
-    for source, expected in cases.items():
+    for source, (expected, code) in cases.items():
         destination = tmp_path / "out" / f"{source.name}.pt"
-        assert main_exit(["ckpt", "convert", str(source), str(destination)]) == 2
+        assert main_exit(["ckpt", "convert", str(source), str(destination)]) == code
         err = capsys.readouterr().err
         assert err.startswith("kaisoku: error: kaisoku ckpt convert: ") and expected in err, err
         assert len(err.strip().splitlines()) == 1, err

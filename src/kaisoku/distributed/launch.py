@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kaisoku.errors import ConfigError
@@ -183,6 +186,8 @@ class LaunchResult:
 
     failures: tuple[RankFailure, ...] = ()
     interrupted: bool = False
+    stop_signal: int = 0
+    """The signal (SIGTERM, SIGUSR1) this launcher got and passed on to its ranks as SIGUSR1 (0: none)."""
 
     @property
     def ok(self) -> bool:
@@ -299,8 +304,9 @@ def launch_local(
     torchrun has stopped every rank when this returns. ``OMP_NUM_THREADS`` defaults to the usable
     cores shared out among the ranks; ``env`` is added to the ranks' environment, with this process's
     pid (:func:`die_with_launcher`). ``on_restart(failures, restart)`` is called when a rank failed and
-    torchrun restarts them (``max_restarts``). Ctrl-C (SIGINT or SIGTERM to the launcher) stops the
-    ranks and returns ``interrupted``.
+    torchrun restarts them (``max_restarts``). Ctrl-C (SIGINT) stops the ranks and returns ``interrupted``.
+    SIGTERM or SIGUSR1 to the launcher (a time limit, a preemption) is passed on to the ranks as SIGUSR1:
+    they finish their step, write a checkpoint and end (:mod:`kaisoku.engine.stop`).
     """
     cores = len(os.sched_getaffinity(0))
     # torchrun hands its ranks this process's environment: set what they need for the launch only, so that
@@ -310,11 +316,35 @@ def launch_local(
     os.environ.update(env or {})
     os.environ.update(rendezvous.agent_env() if rendezvous is not None else {})
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    main_thread = threading.current_thread() is threading.main_thread()  # where handlers can be set
+    signals = (signal.SIGTERM, signal.SIGUSR1) if main_thread else ()
+    previous = {sig: signal.signal(sig, _pass_stop_on) for sig in signals}
+    _STOP_SIGNAL[0] = 0
     try:
-        return _run_torchrun(entry, nproc, max_restarts, on_restart, rendezvous)
+        result = _run_torchrun(entry, nproc, max_restarts, on_restart, rendezvous)
+        return dataclasses.replace(result, stop_signal=_STOP_SIGNAL[0])
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         os.environ.clear()
         os.environ.update(saved_environ)
+
+
+_STOP_SIGNAL = [0]  # the signal _pass_stop_on got during the launch in progress
+
+
+def _pass_stop_on(signum: int, frame: object) -> None:
+    """The launcher's SIGTERM and SIGUSR1 handler: ask every rank it started (its child processes) to stop
+    with a checkpoint; torchrun's agent goes on watching them end."""
+    _STOP_SIGNAL[0] = signum
+    for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in children:
+            with contextlib.suppress(OSError):
+                os.kill(int(child), signal.SIGUSR1)
 
 
 def _run_torchrun(
@@ -329,9 +359,15 @@ def _run_torchrun(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    torchrun_args = get_args_parser().parse_args(
+    parser = get_args_parser()
+    # torchrun's agent would turn SIGTERM into an immediate stop of every rank; kaisoku's own handler passes
+    # it on instead (:func:`_pass_stop_on`).
+    options = {option for action in parser._actions for option in action.option_strings}
+    own_signals = ["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT"] if "--signals-to-handle" in options else []
+    torchrun_args = parser.parse_args(
         [
             *(rendezvous.torchrun_args() if rendezvous is not None else ["--standalone"]),
+            *own_signals,
             f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}",
             "--monitor-interval=0.5",

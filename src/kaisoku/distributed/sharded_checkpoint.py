@@ -10,10 +10,10 @@ sharded model too (:func:`load_full_into_sharded`). Folder naming and atomicity 
 checkpoint between the two forms in one process, with no model and no process group (``kaisoku ckpt
 convert``). :class:`BackgroundSaver` writes the shards while training goes on (``checkpoint.async_save``).
 
-DCP keeps no checksums: a damaged folder is found by :func:`check_shard_files` (a shard file missing or
-cut short, from the metadata and the files' sizes) or by the load itself (a piece that does not load;
-DCP's ``CheckpointException``, a BaseException, becomes :class:`UnreadableCheckpointError` naming the
-folder and the file). Bytes changed inside a tensor's data load as they are.
+DCP keeps no checksums: kaisoku adds its own (``checksums.json``, :mod:`kaisoku.engine.checksums`). A damaged
+folder is also found by :func:`check_shard_files` (a shard file missing or cut short, from the metadata and
+the files' sizes) or by the load itself (a piece that does not load; DCP's ``CheckpointException``, a
+BaseException, becomes :class:`UnreadableCheckpointError` naming the folder and the file).
 """
 
 from __future__ import annotations
@@ -30,17 +30,18 @@ from torch import nn
 from torch.optim import Optimizer
 
 from kaisoku.distributed.named_state import is_named_optimizer_state, with_param_names
-from kaisoku.errors import KaisokuError
+from kaisoku.errors import DamagedDataError, KaisokuError
 
 #: The file DCP writes last, once every rank's shards are in place: a folder without it is incomplete.
 METADATA_FILE = ".metadata"
 
 
-class UnreadableCheckpointError(KaisokuError):
+class UnreadableCheckpointError(DamagedDataError):
     """A checkpoint that is damaged or incomplete (not one of another model): an older one may still load.
 
     Raised alike on every rank by a sharded load (DCP gathers each rank's read failures), so that
-    ``--resume auto`` can move on to an older checkpoint on all ranks together.
+    ``--resume auto`` can move on to an older checkpoint on all ranks together. Exit code 3, as for other
+    damaged data.
     """
 
 

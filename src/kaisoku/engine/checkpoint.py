@@ -9,11 +9,16 @@ ones are removed only after.
 Shards may be written in the background while training goes on (``checkpoint.async_save``): the folder is
 then renamed when the next save, a rollback or the end of training finds the write complete.
 Either kind loads into any engine.
+Every checkpoint carries content checksums (:mod:`kaisoku.engine.checksums`): per tensor in a file, per file
+in a folder (``checksums.json``, written just before the folder's rename). A load checks them, so that bytes
+changed on disk are found before they are trained on; :meth:`CheckpointManager.latest_valid` skips such a
+checkpoint and says why.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import re
 import shutil
@@ -34,6 +39,7 @@ from kaisoku.distributed.sharded_checkpoint import (
     check_shard_files,
     save_sharded,
 )
+from kaisoku.engine import checksums
 from kaisoku.errors import KaisokuError
 from kaisoku.fsutil import atomic_open, fsync_dir
 
@@ -44,6 +50,7 @@ SHARDED_REQUIRED_KEYS = ("scheduler", "step", "data", "rng", "format")
 #: The file of a sharded checkpoint holding everything but the model and optimizer shards.
 TRAINER_FILE = "trainer.pt"
 FORMAT_VERSION = 1
+_log = logging.getLogger("kaisoku.checkpoint")
 
 
 class CheckpointManager:
@@ -112,13 +119,8 @@ class CheckpointManager:
         if self.sharded:
             return self._save_sharded(state, is_main, self.background)
         path = self.path_for(int(state["step"]))
-        # Serialise in memory first: a full disk then fails as a plain write error, not inside torch's
-        # zip writer, and the temp file is removed by atomic_open.
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
         try:
-            with atomic_open(path, "wb", before_rename=self.before_rename) as handle:
-                handle.write(buffer.getbuffer())
+            write_checkpoint_file(path, state, before_rename=self.before_rename)
         except OSError as error:
             raise _write_error(path, error) from None
         self._prune()
@@ -173,7 +175,12 @@ class CheckpointManager:
             self._publish(pending.path, pending.tmp)
 
     def _publish(self, path: Path, tmp: Path) -> None:
-        """Rename the complete folder ``tmp`` to ``path`` (replacing an older one of the same step), prune."""
+        """Checksum the complete folder ``tmp``, rename it to ``path`` (replacing an older one of the same
+        step), prune."""
+        try:
+            checksums.write_folder_checksums(tmp)
+        except OSError as error:
+            raise _write_error(path, error) from None
         fsync_dir(tmp)
         if self.before_rename is not None:
             self.before_rename(tmp)
@@ -186,14 +193,19 @@ class CheckpointManager:
         self._prune()
 
     @staticmethod
-    def load(path: Path) -> dict[str, Any]:
-        """Load and check one checkpoint; KaisokuError naming the file when it is corrupt or foreign.
+    def load(path: Path, *, verify: bool = True) -> dict[str, Any]:
+        """Load and check one checkpoint; KaisokuError naming the file when it is corrupt or foreign
+        (UnreadableCheckpointError when damaged: its checksums differ, it does not load, it is cut short).
 
         A sharded checkpoint gives its ``trainer.pt`` with ``sharded_dir`` naming the folder; the engine
-        reads the model and optimizer shards from there.
+        reads the model and optimizer shards from there. ``verify``: check the content checksums (a
+        sharded folder's files are read whole for it; ranks that load what rank 0 verified skip it).
         """
         if path.is_dir():
-            return _load_sharded(path)
+            state = _load_sharded(path)  # first: a missing or short file is named more precisely there
+            if verify:
+                _verify(path, checksums.verify_folder)
+            return state
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except FileNotFoundError:
@@ -211,10 +223,15 @@ class CheckpointManager:
             raise KaisokuError(
                 f"checkpoint {path} has format {state['format']}, this kaisoku reads {FORMAT_VERSION}"
             )
+        if verify:
+            _verify(path, lambda _: checksums.verify_state(state))
         return state
 
-    def latest_valid(self, *, older_than: Path | None = None) -> tuple[Path, dict[str, Any]] | None:
-        """The newest checkpoint that loads and checks out; damaged newer ones are reported and skipped.
+    def latest_valid(
+        self, *, older_than: Path | None = None, on_skip: Callable[[str], None] | None = None
+    ) -> tuple[Path, dict[str, Any]] | None:
+        """The newest checkpoint that loads and checks out; damaged newer ones are skipped, each said in one
+        line to ``on_skip`` (default: stderr).
 
         ``older_than``: only checkpoints of earlier steps (the one named was found damaged while loading).
         """
@@ -224,14 +241,63 @@ class CheckpointManager:
             try:
                 return path, self.load(path)
             except KaisokuError as error:
-                print(f"kaisoku: skipping {error}", file=sys.stderr)
+                line = f"{error}; skipped"
+                if on_skip is None:
+                    print(f"kaisoku: {line}", file=sys.stderr)
+                else:
+                    on_skip(line)
         return None
+
+
+def newest_step(directory: Path) -> int | None:
+    """The step of the newest complete checkpoint (file or sharded folder) in ``directory``, if any: the one
+    lookup behind every message that names it (failures, restarts, refusals)."""
+    found = CheckpointManager(directory, keep=1).list()
+    return _step(found[-1]) if found else None
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint's name says (``step-00000027.pt`` or ``step-00000027/``); -1 for another name."""
+    return _step(path)
+
+
+def write_checkpoint_file(
+    path: Path, state: dict[str, Any], *, before_rename: Callable[[Path], None] | None = None
+) -> None:
+    """Write ``state`` with its tensors' checksums as the single-file checkpoint ``path`` (temp file + fsync
+    + rename). Serialised in memory first: a full disk then fails as a plain write error, not inside torch's
+    zip writer, and the temp file is removed."""
+    buffer = io.BytesIO()
+    torch.save({**state, checksums.STATE_KEY: checksums.state_checksums(state)}, buffer)
+    with atomic_open(path, "wb", before_rename=before_rename) as handle:
+        handle.write(buffer.getbuffer())
+
+
+def _verify(path: Path, check: Callable[[Path], bool]) -> None:
+    """Run one checksum check on ``path``: UnreadableCheckpointError when the content differs; a warning
+    when the checkpoint has no checksums (written by an older kaisoku)."""
+    try:
+        verified = check(path)
+    except checksums.ChecksumMismatch as mismatch:
+        step = _step(path)
+        what = f"checkpoint step {step}" if step >= 0 else f"checkpoint {path}"
+        raise UnreadableCheckpointError(f"{what} is damaged ({mismatch})") from None
+    except OSError as error:
+        raise UnreadableCheckpointError(f"checkpoint {path} is unreadable ({error.strerror})") from None
+    if not verified:
+        _log.warning(
+            "checkpoint %s has no checksums (written by an older kaisoku): it cannot be verified", path
+        )
 
 
 def write_trainer_file(folder: Path, state: dict[str, Any]) -> None:
     """Write ``TRAINER_FILE`` (``state`` but its model and optimizer, marked sharded) into the sharded
     checkpoint folder ``folder`` atomically, then fsync the folder: the step before its rename."""
-    rest = {key: value for key, value in state.items() if key not in ("model", "optimizer", "sharded_dir")}
+    rest = {
+        key: value
+        for key, value in state.items()
+        if key not in ("model", "optimizer", "sharded_dir", checksums.STATE_KEY)
+    }
     buffer = io.BytesIO()
     torch.save({**rest, "sharded": True}, buffer)
     with atomic_open(folder / TRAINER_FILE, "wb") as handle:

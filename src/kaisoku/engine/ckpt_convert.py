@@ -7,7 +7,10 @@ holding whole tensors and the optimizer's own numbered state dict, as a data-par
 converters do the shard I/O (:mod:`kaisoku.distributed.sharded_checkpoint`); this module moves the optimizer state between its numbered
 and named forms (parameter names come from the ``param_names`` every kaisoku optimizer group lists) and
 keeps the rest of the trainer's state (data order, RNG, step, scheduler) as it is. DEST appears only when
-complete: a file through temp + fsync + rename, a folder written as ``.DEST.tmp`` and renamed.
+complete: a file through temp + fsync + rename, a folder written as ``.DEST.tmp`` and renamed. The source is
+verified first (its content checksums; a damaged one is refused, exit 3) and DEST carries checksums of its own.
+
+``kaisoku ckpt verify PATH`` checks a checkpoint, or every checkpoint of a run folder, without loading a model.
 """
 
 from __future__ import annotations
@@ -16,13 +19,18 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from kaisoku.distributed.named_state import named_from_torch_optimizer_state, with_param_names
-from kaisoku.distributed.sharded_checkpoint import read_whole, write_whole
-from kaisoku.engine.checkpoint import CheckpointManager, remove, write_trainer_file
+from kaisoku.distributed.sharded_checkpoint import UnreadableCheckpointError, read_whole, write_whole
+from kaisoku.engine.checkpoint import (
+    CheckpointManager,
+    checkpoint_step,
+    remove,
+    write_checkpoint_file,
+    write_trainer_file,
+)
+from kaisoku.engine.checksums import write_folder_checksums
 from kaisoku.errors import ConfigError, KaisokuError
-from kaisoku.fsutil import atomic_open, fsync_dir, write_failure
+from kaisoku.fsutil import fsync_dir, write_failure
 
 _PROG = "kaisoku ckpt convert"
 
@@ -54,6 +62,8 @@ def convert_checkpoint(source: Path, destination: Path) -> str:
         raise ConfigError(f"{_PROG}: {destination} exists; remove it or choose another destination")
     try:
         state = CheckpointManager.load(source)
+    except UnreadableCheckpointError as error:  # damaged: exit 3, as for other damaged data
+        raise UnreadableCheckpointError(f"{_PROG}: {error}") from None
     except KaisokuError as error:
         raise ConfigError(f"{_PROG}: {error}") from None
     step = int(state["step"])
@@ -87,8 +97,7 @@ def _to_single_file(source: Path, state: dict[str, Any], destination: Path) -> N
         except KaisokuError as error:  # a missing or damaged shard file
             raise ConfigError(f"{_PROG}: {error}") from None
         single = {"model": whole["model"], "optimizer": numbered_optimizer_state(whole["optimizer"]), **rest}
-        with atomic_open(destination, "wb") as handle:
-            torch.save(single, handle)
+        write_checkpoint_file(destination, single)
     except OSError as error:
         raise write_failure(error, destination, "the converted checkpoint") or error from None
     finally:
@@ -103,6 +112,7 @@ def _to_folder(state: dict[str, Any], optimizer: dict[str, Any], destination: Pa
         tmp.mkdir(parents=True)
         write_whole({"model": state["model"], "optimizer": optimizer}, tmp)
         write_trainer_file(tmp, state)
+        write_folder_checksums(tmp)
         os.replace(tmp, destination)
         fsync_dir(destination.parent)
     except BaseException as error:
@@ -110,3 +120,27 @@ def _to_folder(state: dict[str, Any], optimizer: dict[str, Any], destination: Pa
         if isinstance(error, OSError):
             raise write_failure(error, destination, "the converted checkpoint") or error from None
         raise
+
+
+def verify_checkpoints(target: Path) -> tuple[list[str], bool]:
+    """Check the checkpoint ``target`` (a file or sharded folder), or every checkpoint of a run folder or its
+    ``checkpoints/`` folder: one line each, and whether all are sound. ConfigError for a path that holds
+    none."""
+    if not target.exists():
+        raise ConfigError(f"kaisoku ckpt verify: {target} does not exist; give a checkpoint or a run folder")
+    if checkpoint_step(target) >= 0 or target.suffix == ".pt":
+        paths = [target]
+    else:
+        folder = target / "checkpoints" if (target / "checkpoints").is_dir() else target
+        paths = CheckpointManager(folder, keep=1).list()
+    if not paths:
+        raise ConfigError(f"kaisoku ckpt verify: {target} holds no checkpoint")
+    lines, sound = [], True
+    for path in paths:
+        try:
+            state = CheckpointManager.load(path)
+            lines.append(f"ok       {path} (step {int(state['step'])})")
+        except KaisokuError as error:
+            sound = False
+            lines.append(f"damaged  {path}: {error}")
+    return lines, sound

@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kaisoku.data.node_cache.tier_dirs import NodeCacheError
-from kaisoku.engine import hosts
+from kaisoku.distributed.sharded_checkpoint import UnreadableCheckpointError
+from kaisoku.engine import hosts, stop
+from kaisoku.engine.checkpoint import newest_step
 from kaisoku.engine.divergence import NonFiniteError
 from kaisoku.errors import KaisokuError
 from kaisoku.fsutil import atomic_write_text
@@ -43,6 +45,7 @@ EXIT_CODES = {
     "peer": 6,
     "stopped": 143,
     "interrupt": 130,
+    "signal": stop.EXIT_CODE,
 }
 """Exit code of ``kaisoku train`` for each failure class."""
 
@@ -68,7 +71,8 @@ class Failure:
     """Why one rank stopped, as the user is told."""
 
     kind: str
-    """Class: data, nonfinite, oom, peer, interrupt, stopped, error or unknown."""
+    """Class: data, nonfinite, oom, peer, interrupt, stopped, signal (stopped with a checkpoint by SIGTERM or
+    SIGUSR1), error or unknown."""
     cause: str
     """One line: what happened."""
     hint: str = ""
@@ -142,6 +146,8 @@ def classify(
     first = message.splitlines()[0] if message else ""
     if isinstance(error, KeyboardInterrupt):
         return Failure("interrupt", "interrupted")
+    if isinstance(error, stop.StoppedBySignal):
+        return Failure("signal", message, resumable=True, step=error.step)
     stopped = _STOP_SIGNALLED[0] or _WORKER_STOPPED.search(message) is not None
     if stopped or any(isinstance(link, SystemExit) for link in _chain(error)):
         return Failure("stopped", "stopped by the launcher after another rank failed")
@@ -152,6 +158,8 @@ def classify(
         return Failure("nonfinite", message, remedy, resumable=True)
     if isinstance(error, NodeCacheError):  # a directory of the node cache, not the dataset
         return Failure("error", first)
+    if isinstance(error, UnreadableCheckpointError):  # damaged data: the checkpoint's own remedy follows
+        return Failure("data", first)
     # A DataLoader worker's exception comes back wrapped, with the original type in its text.
     wrapped = _WRAPPED.findall(message) if "DataLoader worker" in message else []
     if wrapped and wrapped[-1][0].startswith("kaisoku"):
@@ -281,7 +289,7 @@ def rank_failures(
         failure.rank, failure.host, failure.time = rank, socket.gethostname(), time.time()
         failure.attempt = restart_attempt()
         try:
-            failure.step = step()
+            failure.step = step() if failure.step is None else failure.step
         except Exception:  # noqa: BLE001 - the step is a detail; the failure must still be recorded
             failure.step = None
         if launched:
@@ -300,13 +308,19 @@ def rank_failures(
             print_failure(failure, run_dir, resume=resume)
             if rank == 0:
                 mark_run(
-                    run_dir, status="failed", failure=failure.kind, cause=failure.cause, step=failure.step
+                    run_dir,
+                    status="stopped" if failure.kind == "signal" else "failed",
+                    failure=failure.kind,
+                    cause=failure.cause,
+                    step=failure.step,
+                    ended=time.time(),
                 )
             raise SystemExit(failure.exit_code) from None
         sys.stdout.flush()
         sys.stderr.flush()
-        # Leave at once: gloo's and the loader's threads must not print or hang on the way out.
-        os._exit(failure.exit_code)
+        # Leave at once: gloo's and the loader's threads must not print or hang on the way out. A stop on a
+        # signal leaves as a success, so that torchrun restarts nothing; the launcher reads the record.
+        os._exit(0 if failure.kind == "signal" else failure.exit_code)
 
 
 def write_record(run_dir: Path, failure: Failure) -> None:
@@ -332,9 +346,8 @@ def read_failures(run_dir: Path, *, latest_attempt: bool = False) -> list[Failur
 
 
 def newest_checkpoint_step(run_dir: Path) -> int | None:
-    """The step of the newest complete checkpoint in the run folder, if any."""
-    names = sorted((run_dir / "checkpoints").glob("step-*.pt")) if (run_dir / "checkpoints").is_dir() else []
-    return int(names[-1].stem.split("-")[1]) if names else None
+    """The step of the newest complete checkpoint in the run folder (a file or a sharded folder), if any."""
+    return newest_step(run_dir / "checkpoints")
 
 
 def decide(records: list[Failure], died: list[tuple[int, str]], *, interrupted: bool) -> Failure:
@@ -347,7 +360,7 @@ def decide(records: list[Failure], died: list[tuple[int, str]], *, interrupted: 
     if interrupted:
         steps = [r.step for r in records if r.step is not None]
         return Failure("interrupt", "interrupted", step=max(steps) if steps else None)
-    own = [r for r in records if r.kind not in ("peer", "stopped", "interrupt")]
+    own = [r for r in records if r.kind not in ("peer", "stopped", "interrupt", "signal")]
     if own:
         return own[0]
     steps = [r.step for r in records if r.step is not None]
@@ -378,7 +391,7 @@ def print_failure(failure: Failure, run_dir: Path, *, resume: str = "") -> None:
         kept = f"checkpoint step {newest} is the newest" if newest is not None else "no checkpoint yet"
         cause = f"interrupted at step {failure.step}; {kept}" if failure.step else f"interrupted; {kept}"
     else:
-        cause = failure.cause if failure.kind == "nonfinite" else f"{failure.cause}{at}"
+        cause = failure.cause if failure.kind in ("nonfinite", "signal") else f"{failure.cause}{at}"
     hints = [failure.hint] if failure.hint else []
     if failure.resumable or failure.kind == "interrupt":
         rerun = "rerun the same command" if resume == "auto" else "rerun with --resume auto"
@@ -388,7 +401,7 @@ def print_failure(failure: Failure, run_dir: Path, *, resume: str = "") -> None:
             hints.append(f"{rerun} (there is no checkpoint yet: it starts over)")
     hint = "; then ".join(hints)
     logs = f"full logs in {log_dir(run_dir)}"
-    print(f"kaisoku: error: {cause}", file=sys.stderr)
+    print(f"kaisoku: {'' if failure.kind == 'signal' else 'error: '}{cause}", file=sys.stderr)
     print(f"kaisoku: {hint}; {logs}" if hint else f"kaisoku: {logs}", file=sys.stderr)
 
 
@@ -423,16 +436,26 @@ def mark_run(run_dir: Path, **fields: Any) -> None:
 
 
 def report_launch(
-    run_dir: Path, failures: list[tuple[int, str, bool]], *, interrupted: bool, resume: str = ""
+    run_dir: Path,
+    failures: list[tuple[int, str, bool]],
+    *,
+    interrupted: bool,
+    resume: str = "",
+    stop_signal: int = 0,
 ) -> int:
-    """After the ranks of a launch ended badly: print the two lines, mark ``run.json``; the exit code.
+    """After the ranks of a launch ended badly, or stopped on a signal: print the two lines, mark
+    ``run.json``; the exit code.
 
     ``failures`` are (rank, how, killed by a signal) as the launcher saw them, first first; the records
-    of the last restart attempt decide (earlier attempts' records stay as their history).
+    of the last restart attempt decide (earlier attempts' records stay as their history). ``stop_signal``:
+    the signal the launcher got and passed on to the ranks as SIGUSR1 (the line names the one sent).
     """
     died = [(rank, how) for rank, how, by_signal in failures if by_signal]
     records = read_failures(run_dir, latest_attempt=True)
     failure = decide(records, died, interrupted=interrupted)
+    if failure.kind == "signal" and stop_signal:
+        passed_on = f"stopped by {stop.signal_name(signal.SIGUSR1)} "
+        failure.cause = failure.cause.replace(passed_on, f"stopped by {stop.signal_name(stop_signal)} ", 1)
     if failure.kind == "peer":
         failure.cause = hosts.name_lost_host(run_dir, failure.cause)
     if failure.kind == "unknown" and not records and failures:
@@ -441,7 +464,7 @@ def report_launch(
     print_failure(failure, run_dir, resume=resume)
     mark_run(
         run_dir,
-        status="failed",
+        status="stopped" if failure.kind == "signal" else "failed",
         failure=failure.kind,
         cause=failure.cause,
         step=failure.step,

@@ -29,7 +29,7 @@ from kaisoku.distributed.launch import (
     launch_local,
     rendezvous_for,
 )
-from kaisoku.engine import failures, hosts
+from kaisoku.engine import failures, hosts, stop
 from kaisoku.engine import run_dir as run_dir_lock
 from kaisoku.engine.build import build_trainer
 from kaisoku.engine.checkpoint import CheckpointManager
@@ -115,13 +115,18 @@ def train_on_local_ranks(
             rendezvous=rendezvous,
         )
         _reclaim_ram_tiers(cfg)  # what ranks killed without a word left behind
-        if result.ok:
+        signalled = any(r.kind == "signal" for r in failures.read_failures(run_dir, latest_attempt=True))
+        if result.ok and not signalled:
             failures.mark_run(run_dir, status="completed", ended=time.time())
             return 0
         CheckpointManager(run_dir / "checkpoints", keep=cfg.checkpoint.keep).remove_partial()
         seen = [(f.rank, f.how, f.signal) for f in result.failures]
         code = failures.report_launch(
-            run_dir, seen, interrupted=result.interrupted, resume=cfg.checkpoint.resume
+            run_dir,
+            seen,
+            interrupted=result.interrupted,
+            resume=cfg.checkpoint.resume,
+            stop_signal=result.stop_signal,
         )
         # The crashed run's page, for a look at what led up to it; a convenience that must not bury the
         # two lines above under a traceback of its own (e.g. a full disk, which may be why the run failed).
@@ -174,6 +179,8 @@ def run_training(
     # torchrun stops the other ranks with SIGTERM when one fails: exit through Python so that
     # a checkpoint being written removes its temp file instead of leaving it behind.
     signal.signal(signal.SIGTERM, failures.on_stop_signal)
+    # SIGUSR1 (and SIGTERM from Slurm to a rank srun started) asks for a stop with a checkpoint.
+    stop.install(sigterm=stop.sigterm_means_time_limit())
     built: list[Trainer] = []
     try:
         with failures.rank_failures(

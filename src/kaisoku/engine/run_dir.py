@@ -24,7 +24,7 @@ import torch
 
 from kaisoku.config import Config, to_dict
 from kaisoku.engine import failures
-from kaisoku.engine.checkpoint import CheckpointManager
+from kaisoku.engine.checkpoint import TRAINER_FILE, CheckpointManager
 from kaisoku.errors import ConfigError
 from kaisoku.owner import describe, is_gone, this_process
 
@@ -254,12 +254,17 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[t
 def newest_checkpoint_config(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint that opens (the one ``--resume auto`` loads) and its saved config.
 
-    The file is memory-mapped, so only the config is read from it.
+    The file (a sharded folder's ``trainer.pt``) is memory-mapped, so only the config is read from it.
     """
     manager = CheckpointManager(run_dir / "checkpoints", keep=1)
     for path in reversed(manager.list()):
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            state = torch.load(
+                path / TRAINER_FILE if path.is_dir() else path,
+                map_location="cpu",
+                weights_only=True,
+                mmap=True,
+            )
         except Exception:  # noqa: BLE001 - a damaged file: the resume itself skips it and says so
             continue
         if isinstance(state, dict):

@@ -15,6 +15,7 @@ from torch import nn
 from kaisoku.data.loading.transforms import IMAGENET_MEAN, IMAGENET_STD
 from kaisoku.distributed import env
 from kaisoku.distributed.sharded_checkpoint import read_full_state
+from kaisoku.engine import stop
 from kaisoku.engine.checkpoint import CheckpointManager
 from kaisoku.engine.checkpoint import remove as remove_checkpoint
 from kaisoku.engine.divergence import (
@@ -151,6 +152,7 @@ class Trainer:
         self.device = device
         self.metrics = metrics
         self.checkpoints = checkpoints
+        self._saved_step = -1  # the step of the last checkpoint this run wrote
         self.config_dict = config_dict or {}
         self.on_step = on_step
         self.state = TrainState()
@@ -240,6 +242,7 @@ class Trainer:
             path = self.checkpoints.save(state)
         env.barrier()
         self._saved_since_rollback = True
+        self._saved_step = self.state.step
         seconds = time.perf_counter() - start
         self._paused += seconds
         if path is not None:
@@ -429,6 +432,7 @@ class Trainer:
         window_wait = 0.0
         self.metrics.advance(self.state.step)
         while self.state.step < until_step:
+            self._stop_if_signalled()
             self._switch_layout_if_due()
             wait_start = time.perf_counter()
             micro = self._next_micro_batches()
@@ -489,6 +493,24 @@ class Trainer:
             ):
                 self.save_checkpoint()
         return self.last_loss
+
+    def _stop_if_signalled(self) -> None:
+        """Between steps: when any rank was asked to stop by a signal (:mod:`kaisoku.engine.stop`), every rank
+        writes a checkpoint of this step and raises StoppedBySignal. The ranks agree through a collective:
+        at every step on the CPU, at log steps on an accelerator (a per-step agreement would make the host
+        wait for the device every step)."""
+        if self.device.type != "cpu" and self.state.step % self.settings.log_every != 0:
+            return
+        signum = int(env.all_reduce_max([float(stop.requested())], self.device)[0])
+        if signum == 0:
+            return
+        path = None
+        if self.checkpoints is not None:
+            if self._saved_step != self.state.step:
+                self.save_checkpoint()
+            self.checkpoints.wait()
+            path = str(self.checkpoints.path_for(self.state.step))
+        raise stop.StoppedBySignal(signum, self.state.step, path)
 
     def fit(self) -> dict[str, Any]:
         """Train until ``total_steps``, validate, checkpoint; return the run summary."""

@@ -94,3 +94,32 @@ def test_verify_of_a_truncated_shard_counts_what_it_lists(tmp_path: Path) -> Non
         KaisokuError, match=f"^{re.escape(str(tmp_path / 'd'))}: 15 verification problems, first: .*truncated"
     ):
         inspect_summary(tmp_path / "d", verify=True)
+
+
+def test_a_well_formed_index_whose_labels_pass_its_classes_is_damaged_data(
+    packed: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``classes`` cut to 2 names while labels go to 2: verify and train both stop naming the field, exit 3
+    (a label past the list would reach the loss as a class the model lacks)."""
+    from tests.train_harness import kaisoku_in_process
+
+    index_path = packed / INDEX_NAME
+    document = json.loads(index_path.read_text())
+    document["classes"] = document["classes"][:2]
+    index_path.write_text(json.dumps(document))
+    expected = (
+        f"kaisoku: error: index {index_path} is damaged: field 'label' goes up to 2, but 'classes' names 2 "
+        "(labels 0..1); re-pack the dataset"
+    )
+    verified = kaisoku_in_process(capfd, "inspect", str(packed), "--verify")
+    assert verified.returncode == 3, verified.stderr
+    assert verified.stderr.strip().splitlines() == [expected]
+    run = tmp_path / "run"
+    trained = kaisoku_in_process(
+        capfd, "train", "--data.path", str(packed), "--nproc", "1", "--run-dir", str(run)
+    )
+    assert trained.returncode == 3, trained.stderr
+    cause, hint = trained.stderr.strip().splitlines()
+    assert cause == expected.removesuffix("; re-pack the dataset")
+    assert hint.startswith(f"kaisoku: check the dataset with `kaisoku inspect {packed} --verify` and re-pack")
+    assert not (run / "checkpoints").exists()

@@ -42,7 +42,7 @@ from kaisoku.data.shards.tables import (
     map_tables,
     write_tables,
 )
-from kaisoku.errors import KaisokuError
+from kaisoku.errors import DamagedDataError, KaisokuError
 from kaisoku.fsutil import atomic_open, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -301,7 +301,25 @@ class Index:
 
 def _require(condition: bool, path: Path, what: str) -> None:
     if not condition:
-        raise KaisokuError(f"index {path} is damaged: {what}; re-pack the dataset")
+        raise DamagedDataError(f"index {path} is damaged: {what}; re-pack the dataset")
+
+
+def _check_labels(index: Index, where: Path) -> Index:
+    """``index`` once its labels fit its own ``classes`` (a label past the list would reach the model as a
+    class it does not have); DamagedDataError naming the field otherwise."""
+    labels = index.columns.get("label")
+    if index.task != "classification" or labels is None or labels.size == 0:
+        return index
+    low, high = int(labels.min()), int(labels.max())
+    _require(low >= 0, where, f"field 'label' holds {low}, below 0")
+    if index.classes is not None:
+        _require(
+            high < len(index.classes),
+            where,
+            f"field 'label' goes up to {high}, but 'classes' names {len(index.classes)} "
+            f"(labels 0..{len(index.classes) - 1})",
+        )
+    return index
 
 
 def index_from_json(document: Any, root: Path, *, index_path: Path | None = None) -> Index:
@@ -330,7 +348,7 @@ def index_from_json(document: Any, root: Path, *, index_path: Path | None = None
         )
     try:
         if version >= 2:
-            return _index_v2(document, root, where)
+            return _check_labels(_index_v2(document, root, where), where)
         codec, fields = _header(document, where)
         shards = []
         for position, entry in enumerate(document["shards"]):
@@ -375,23 +393,26 @@ def index_from_json(document: Any, root: Path, *, index_path: Path | None = None
         for f in fields:
             _require(f.kind != "int" or f.name in columns, where, f"int field {f.name!r} has no column")
         classes = document.get("classes")
-        return Index(
-            root=root,
-            codec=codec,
-            fields=fields,
-            shards=tuple(shards),
-            columns=columns,
-            classes=tuple(str(c) for c in classes) if classes is not None else None,
-            source=str(document.get("source", "")),
-            pack=dict(document.get("pack") or {}),
-            skipped=tuple(str(s) for s in document.get("skipped") or ()),
-            version=version,
-            **_task(document, fields, where),
+        return _check_labels(
+            Index(
+                root=root,
+                codec=codec,
+                fields=fields,
+                shards=tuple(shards),
+                columns=columns,
+                classes=tuple(str(c) for c in classes) if classes is not None else None,
+                source=str(document.get("source", "")),
+                pack=dict(document.get("pack") or {}),
+                skipped=tuple(str(s) for s in document.get("skipped") or ()),
+                version=version,
+                **_task(document, fields, where),
+            ),
+            where,
         )
     except (KeyError, TypeError, ValueError, OverflowError) as error:
         if isinstance(error, KaisokuError):
             raise
-        raise KaisokuError(
+        raise DamagedDataError(
             f"index {where} is damaged: {type(error).__name__}: {error}; re-pack the dataset"
         ) from None
 
@@ -460,14 +481,14 @@ def _index_v2(document: Mapping[str, Any], root: Path, where: Path) -> Index:
     for name, need in (("offsets", total + len(entries)), ("record_crc32", total)):
         got = tables[name].size if name in tables else None
         if got != need:
-            raise KaisokuError(
+            raise DamagedDataError(
                 f"index table {name!r} in {table_path} has {got} entries, the shards in {where} need {need}; "
                 "re-pack the dataset"
             )
     for name in column_names:
         got = tables[column_table(name)].size if column_table(name) in tables else None
         if got != total:
-            raise KaisokuError(
+            raise DamagedDataError(
                 f"index table {column_table(name)!r} in {table_path} has {got} entries, not {total}; "
                 "re-pack the dataset"
             )
@@ -478,7 +499,7 @@ def _index_v2(document: Mapping[str, Any], root: Path, where: Path) -> Index:
     offsets, record_crc = tables["offsets"], tables["record_crc32"]
     problem = check_offsets(offsets, firsts, samples, nbytes, names)
     if problem is not None:
-        raise KaisokuError(
+        raise DamagedDataError(
             f"index table {table_path} does not match the shards: {problem}; re-pack the dataset"
         )
     starts = firsts - np.arange(len(entries), dtype=np.int64)
