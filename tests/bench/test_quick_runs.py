@@ -57,6 +57,7 @@ GOALS: dict[str, set[str]] = {
         "kfac_step_time_vs_sgd",
     },
     "compile": {"auto_vs_eager_worst"},
+    "checkpoint": {"checksum_share_of_save_file", "checksum_share_of_save_sharded"},
     "memory": {
         "recompute_and_in_backward_exact",
         "largest_batch_ratio_resnet18",

@@ -47,6 +47,7 @@ BENCHMARKS: dict[str, str] = {
     "cluster": "kaisoku.bench.cluster",
     "shard": "kaisoku.bench.shard",
     "throughput": "kaisoku.bench.throughput",
+    "checkpoint": "kaisoku.bench.checkpoint",
 }
 
 #: Benchmarks made of cases that ``--case`` may pick one of.

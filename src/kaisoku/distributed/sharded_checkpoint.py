@@ -18,8 +18,10 @@ BaseException, becomes :class:`UnreadableCheckpointError` naming the folder and 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -65,7 +67,8 @@ def save_sharded(state: dict[str, Any], folder: Path) -> None:
     fsynced; rank 0 writes the metadata last. A collective: every rank calls it with its own shards."""
     dcp = _dcp()
     writer = dcp.FileSystemWriter(folder, sync_files=True, thread_count=1)
-    dcp.save(state, storage_writer=writer)
+    with _single_process_is_intended():
+        dcp.save(state, storage_writer=writer)
 
 
 class BackgroundSaver:
@@ -102,7 +105,8 @@ def read_whole(folder: Path, scratch: Path) -> dict[str, Any]:
     dcp = _dcp()
     check_shard_files(folder)
     try:
-        dcp.format_utils.dcp_to_torch_save(folder, scratch)
+        with _single_process_is_intended():
+            dcp.format_utils.dcp_to_torch_save(folder, scratch)
     except dcp.api.CheckpointException as error:  # a BaseException: each rank's failure wrapped
         raise unreadable(folder, error) from None
     return torch.load(scratch, map_location="cpu", weights_only=True, mmap=True)
@@ -114,10 +118,17 @@ def write_whole(state: dict[str, Any], folder: Path) -> None:
     does, without its unsafe load of a file); any layout reads it as it reads any other."""
     dcp = _dcp()
     writer = dcp.FileSystemWriter(folder, sync_files=True, thread_count=1)
-    with warnings.catch_warnings():
-        # One process with no group is the intent here; torch warns that it assumes so.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with _single_process_is_intended():
         dcp.save(state, storage_writer=writer, no_dist=True)
+
+
+@contextlib.contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    """Silence torch's two-line warning that it assumes one process where no process group is up: a
+    sharded checkpoint written or read by one rank (or by ``kaisoku ckpt``) is meant to be."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _storage_files(folder: Path) -> tuple[Any, dict[str, int]]:
@@ -221,7 +232,8 @@ def _load(folder: str | Path, state: dict[str, Any]) -> None:
     dcp = _dcp()
     check_shard_files(folder)
     try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(folder))
+        with _single_process_is_intended():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(folder))
     except dcp.api.CheckpointException as error:  # a BaseException; raised alike on every rank
         raise unreadable(folder, error) from None
 
