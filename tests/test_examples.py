@@ -51,6 +51,7 @@ def test_readme_own_model_example_runs_on_two_ranks(tmp_path: Path) -> None:
     assert (tmp_path / "runs" / "mine" / "checkpoints" / "step-00000028.pt").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
     ("args", "done"),

@@ -18,6 +18,9 @@ from kaisoku.data.shards.writer import pack
 from tests.dist_harness import run_ranks
 from tests.train_harness import metric_lines, rank_pid, train_args, train_env, train_to_the_end, wait_for
 
+# Slow tier: failure trials of whole kaisoku train runs.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:

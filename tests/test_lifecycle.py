@@ -16,6 +16,9 @@ from kaisoku.data.datagen import generate
 from kaisoku.data.shards.writer import pack
 from tests.train_harness import metric_lines, rank_pid, train_args, train_env, wait_for
 
+# Slow tier: kill, interrupt and refusal trials of whole kaisoku train runs.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:

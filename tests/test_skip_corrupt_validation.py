@@ -12,6 +12,9 @@ from kaisoku.data.shards.format import read_index
 from kaisoku.data.shards.writer import pack
 from tests.train_harness import metric_lines, train_args, train_env
 
+# Slow tier: a whole run with a damaged validation record.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.timeout(300)
 def test_a_damaged_validation_record_is_skipped_and_counted(tmp_path: Path) -> None:

@@ -53,6 +53,7 @@ def test_train_two_ranks_then_resume(tmp_path: Path, tiny_data: Path) -> None:
     assert newest is not None and newest[1]["step"] == 6
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigkill_mid_step_stops_every_rank(tmp_path: Path, tiny_data: Path) -> None:
     run_dir = tmp_path / "run"
@@ -74,6 +75,7 @@ def test_sigkill_mid_step_stops_every_rank(tmp_path: Path, tiny_data: Path) -> N
     assert descendants(proc.pid) == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigkill_during_checkpoint_save_leaves_only_complete_checkpoints(
     tmp_path: Path, tiny_data: Path

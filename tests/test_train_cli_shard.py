@@ -21,6 +21,7 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return generate(tmp_path_factory.mktemp("data") / "shapes", count=96, size=20, val_count=16, workers=1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_sharded_train_and_kill_during_sharded_save(tmp_path: Path, tiny_data: Path) -> None:
     run_dir = tmp_path / "run"

@@ -19,6 +19,9 @@ from kaisoku.data.datagen import generate
 from kaisoku.distributed.sharded_checkpoint import read_whole
 from tests.train_harness import rank_pid, train_args, train_env, wait_for
 
+# Slow tier: kill and damage trials of sharded kaisoku train runs.
+pytestmark = pytest.mark.slow
+
 SHARD = ("--parallel.shard", "full", "--model.name", "resnet10", "--checkpoint.every-steps", "2")
 STEPS = ("--max-steps", "6")
 

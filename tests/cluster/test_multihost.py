@@ -21,7 +21,8 @@ from tests.cluster.box_runs import (
 from tests.train_harness import metric_lines
 
 REASON = unavailable_reason()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+# Slow tier: two hosts in a cluster in a box.
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ from tests.cluster.box_runs import ENDPOINT, REPO, finish, host_args, hosts_reco
 from tests.train_harness import metric_lines, wait_for
 
 REASON = unavailable_reason()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+# Slow tier: a host lost and regained in a cluster in a box.
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.slow]
 TRAIN_SAMPLES, GLOBAL_BATCH = 160, 8
 STEPS_PER_EPOCH = TRAIN_SAMPLES // GLOBAL_BATCH
 

@@ -15,7 +15,8 @@ from kaisoku.testing.cluster import ClusterBox, Link, unavailable_reason
 from tests.cluster.box_runs import REPO, box_env, finish, host_args, hosts_record, make_packed, start_hosts
 
 REASON = unavailable_reason()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+# Slow tier: the sbatch script on two hosts in a cluster in a box.
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.slow]
 SCRIPT = REPO / "examples" / "slurm" / "train.sbatch"
 
 

@@ -187,6 +187,7 @@ def ddp_at_two(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return checkpoints / "step-00000002.pt"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_resume_moves_between_layouts(
     tmp_path: Path,

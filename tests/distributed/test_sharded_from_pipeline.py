@@ -25,6 +25,9 @@ from tests.distributed.test_sharded import (
     main_exit,
 )
 
+# Slow tier: pipeline checkpoints resumed sharded, several runs.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:

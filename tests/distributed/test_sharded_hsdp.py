@@ -23,6 +23,9 @@ from kaisoku.parts import ModelSpec
 from tests.dist_harness import run_ranks
 from tests.distributed.test_sharded import WEIGHT_ATOL, _build, _close, _train, _whole_state, main_exit
 
+# Slow tier: HSDP against DDP and across layouts, several runs.
+pytestmark = pytest.mark.slow
+
 
 def layer_norm_blocks(spec: ModelSpec) -> nn.Sequential:
     """Four blocks (four FSDP units) of LayerNorm and Linear layers: a model that trains in moments."""

@@ -15,6 +15,9 @@ from tests.dist_harness import run_ranks
 from tests.distributed.test_sharded import SHARD, WEIGHT_ATOL, _close, _train
 from tests.train_harness import train_args, train_env
 
+# Slow tier: memory techniques on sharded blocks, several 2-rank runs.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -33,6 +33,7 @@ def run_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) ->
         scheduler.step()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make",
     [

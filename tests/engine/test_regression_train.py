@@ -38,6 +38,7 @@ def volumes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "packed"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cosmoflow_trains_on_two_ranks_with_mse_and_mae(tmp_path: Path, volumes: Path) -> None:
     run_dir = tmp_path / "run"

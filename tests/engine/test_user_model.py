@@ -89,6 +89,7 @@ def whole_cli_run(tmp_path_factory: pytest.TempPathFactory, mnist_path: Path) ->
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("feature", KILLED)
 def test_user_model_trains_with_each_feature_and_resumes_exactly_after_a_kill(
@@ -244,6 +245,7 @@ def _launch_script(path: Path, settings: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_launch_exits_with_the_ranks_own_line_and_code(tmp_path: Path) -> None:
     """Settings ``kaisoku.fit`` refuses on every rank of ``kaisoku.launch``: rank 0's one line, exit 2, as
@@ -263,6 +265,7 @@ def test_launch_exits_with_the_ranks_own_line_and_code(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_killed_launch_script_takes_its_ranks_down(tmp_path: Path) -> None:
     """``kaisoku.launch``'s ranks stop when the script that launched them is killed (no rank trains on alone)."""

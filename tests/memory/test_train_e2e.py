@@ -13,6 +13,9 @@ from kaisoku.engine.checkpoint import CheckpointManager
 from tests.dist_harness import run_ranks
 from tests.train_harness import train_args, train_env, train_to_the_end
 
+# Slow tier: 2-rank runs with each memory technique.
+pytestmark = pytest.mark.slow
+
 
 def _final_model(data: Path, run_dir: Path, *extra: str, launched: bool = True) -> dict[str, torch.Tensor]:
     """The weights at the end of the run: launched through `kaisoku train`, or on 2 in-process ranks."""

@@ -119,6 +119,7 @@ def test_no_cuda_device_falls_back_to_the_host_with_one_line(
     assert decode_place("gpu", None, announce=True) == "gpu"  # no device given: as asked
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_train_with_gpu_decode_on_cpu_falls_back_and_trains(packed: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
