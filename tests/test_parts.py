@@ -40,7 +40,8 @@ def test_a_float64_dataset_of_scalar_targets_trains_a_float32_regressor(tmp_path
 
     from kaisoku.config import Config
     from kaisoku.distributed.env import World
-    from kaisoku.engine.build import build_trainer, mse_to_outputs
+    from kaisoku.engine.build import build_trainer
+    from kaisoku.engine.tasks import mse_to_outputs
     from kaisoku.parts import UserParts
 
     class Points(torch.utils.data.Dataset):

@@ -206,6 +206,8 @@ class SchedConfig:
     """step: the multiplier of the peak from each milestone on, one per milestone (e.g. 0.25, 0.125); empty: step_gamma compounded."""
 
 
+TaskName = Literal["auto", "classification", "token-classification", "language-model", "regression"]
+"""What a run's data is for (``train.task``)."""
 CompileMode = Literal["off", "model", "optimizer", "all", "auto"]
 """What ``train.compile`` passes through torch.compile."""
 
@@ -225,7 +227,9 @@ class TrainConfig:
     label_smoothing: float = 0.0
     """Cross-entropy label smoothing."""
     loss: str = "auto"
-    """Loss: your own as package.module:function (called as loss(outputs, targets)), or auto, cross-entropy, mse: auto takes it from the dataset's task (cross-entropy for classification, mse, mean squared error, for a regression set such as kaisoku datagen --kind cosmo); a loss that does not fit the task is refused."""
+    """Loss: your own as package.module:function (called as loss(outputs, targets); with dict samples targets is the whole batch), or auto, cross-entropy, mse: auto uses the model's own loss where its output carries one (a Hugging Face model given labels), else the task's (cross-entropy for classification and token targets, -100 left out; mse, mean squared error, for a regression set such as kaisoku datagen --kind cosmo); a loss that does not fit the task is refused."""
+    task: TaskName = "auto"
+    """What the data is for: auto (read from the targets: integer scalars are classification, integer sequences token-classification, or language-model where a dict sample's labels equal its input_ids; float targets regression), classification, token-classification (a label per token), language-model (a causal model: the logits at t predict the label at t+1) or regression."""
     compile: CompileMode = "off"
     """torch.compile: off, model, optimizer (its step), all, or auto (times 20 steps each way, keeps the faster)."""
     val_every: int = 0

@@ -8,6 +8,7 @@ files and import the user's code, so they live apart from the pure :func:`kaisok
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from kaisoku.data.loading.loader import packed_splits
 from kaisoku.data.shards.format import read_index
 from kaisoku.data.shards.sources import class_folders, image_folder_splits
 from kaisoku.distributed.env import inside_slurm_step, inside_torchrun, planned_world_size, world_from_env
+from kaisoku.engine.structures import TARGET_KEYS
 from kaisoku.errors import ConfigError, KaisokuError
 from kaisoku.models.blocks import ordered_blocks
 from kaisoku.models.zoo import build_model, is_zoo_model
@@ -115,7 +117,9 @@ def describe_data(cfg: Config, parts: UserParts | None = None) -> DataFacts:
 
 
 def describe_user_data(train: Any, val: Any | None, num_classes: int) -> DataFacts:
-    """The facts of a user's map-style dataset of ``(input, target)`` pairs, from its first sample."""
+    """The facts of a user's map-style dataset, from its first sample: ``(input, target)`` pairs, or dicts
+    (the model then takes the batch as keyword arguments; the target is the entry named ``labels``,
+    ``label``, ``targets``, ``target`` or ``y``)."""
     if len(train) == 0:
         raise ConfigError("data: the training dataset is empty")
     try:
@@ -124,18 +128,43 @@ def describe_user_data(train: Any, val: Any | None, num_classes: int) -> DataFac
         raise ConfigError(
             f"data: reading the first training sample failed: {type(error).__name__}: {error}"
         ) from error
-    if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
-        raise ConfigError(
-            f"data: a sample is a {type(sample).__name__}; the dataset must give (input, target) pairs"
+    target_key: str | None = None
+    if isinstance(sample, Mapping):
+        target_key = next((key for key in TARGET_KEYS if key in sample), None)
+        if target_key is None:
+            raise ConfigError(
+                f"data: a sample is a dict with keys {', '.join(map(repr, sample))} and no target; name it "
+                f"{' or '.join(map(repr, TARGET_KEYS[:2]))} (the model gets the batch as keyword arguments)"
+            )
+        first = sample.get("input_ids", next((v for k, v in sample.items() if k != target_key), None))
+        inputs, target = torch.as_tensor(first), torch.as_tensor(sample[target_key])
+        causal = (
+            target_key == "labels"
+            and "input_ids" in sample
+            and torch.equal(torch.as_tensor(sample["input_ids"]), target)
         )
-    inputs, target = torch.as_tensor(sample[0]), torch.as_tensor(sample[1])
-    classification = target.ndim == 0 and not target.is_floating_point() and not target.is_complex()
-    classes = getattr(train, "classes", None)
-    if classification:
-        count = num_classes or (len(classes) if isinstance(classes, (list, tuple)) else 0)
+        form = f"dict samples ({', '.join(sample)}) as keyword arguments, target {target_key!r}"
+    elif isinstance(sample, (tuple, list)) and len(sample) == 2:
+        inputs, target = torch.as_tensor(sample[0]), torch.as_tensor(sample[1])
+        causal = False
+        form = "(input, target) pairs"
     else:
+        raise ConfigError(
+            f"data: a sample is a {type(sample).__name__}; the dataset must give (input, target) pairs or "
+            "dicts holding a 'labels' entry"
+        )
+    integer = not target.is_floating_point() and not target.is_complex()
+    if integer and target.ndim == 0:
+        task = "classification"
+    elif integer:
+        task = "language-model" if causal else "token-classification"
+    else:
+        task = "regression"
+    classes = getattr(train, "classes", None)
+    if task == "regression":
         count = max(1, target.numel())
-    task = "classification" if classification else "regression"
+    else:
+        count = num_classes or (len(classes) if isinstance(classes, (list, tuple)) else 0)
     shape = tuple(int(d) for d in inputs.shape)
     return DataFacts(
         source="user",
@@ -145,7 +174,8 @@ def describe_user_data(train: Any, val: Any | None, num_classes: int) -> DataFac
         num_classes=count,
         num_samples=len(train),
         has_val=val is not None,
-        description=f"the given dataset of {len(train)} samples {list(shape)} {inputs.dtype} ({task})",
+        target_key=target_key,
+        description=f"the given dataset of {len(train)} {form}, input {list(shape)} {inputs.dtype} ({task})",
     )
 
 

@@ -41,6 +41,7 @@ from kaisoku.precision.quant import keep_names
 ShardLevel = Literal["none", "grad", "full"]
 DataSource = Literal["packed", "folder", "generated-shapes", "generated-cosmo", "user"]
 LossName = Literal["cross-entropy", "mse", "user"]
+TaskKind = Literal["classification", "token-classification", "language-model", "regression"]
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,9 @@ class DataFacts:
 
     source: DataSource
     """packed (kaisoku pack), folder (class sub-folders), the generated shapes or universe set, or user."""
-    task: Literal["classification", "regression"] = "classification"
-    """classification (integer labels) or regression (float targets)."""
+    task: TaskKind = "classification"
+    """classification (integer labels), token-classification or language-model (integer labels per token),
+    or regression (float targets): as the data's targets say."""
     sample_shape: tuple[int, ...] = ()
     """One input sample's shape as the model gets it; () for images cropped to data.image_size."""
     in_channels: int = 3
@@ -80,6 +82,8 @@ class DataFacts:
     """False where the index could not be read: the ranks report that, with the run folder, as a data failure."""
     description: str = ""
     """How a message names the data, e.g. ``data.path /d holds images [32, 32, 3] (classification)``."""
+    target_key: str | None = None
+    """Where a dict sample holds its target (None: the data gives (input, target) pairs)."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,7 @@ class RunPlan:
     """Hybrid: the micro-batch of each layout of the schedule (a switch changes the replica count)."""
     sample_shape: tuple[int, ...]
     """One input sample: ``(C, S, S)`` images, ``(C, D, D, D)`` volumes, or the user's sample shape."""
-    task: Literal["classification", "regression"]
+    task: TaskKind
     loss: LossName
     """cross-entropy, mse, or the user's loss."""
     label_smoothing: float
@@ -223,7 +227,8 @@ def resolve(
 
     Pure: every value comes from the arguments. One-line ConfigError for settings that cannot work together.
     """
-    _check_data_against_model(cfg, data, model)
+    task = _task(cfg, data)
+    _check_data_against_model(cfg, data, model, task)
     hybrid = cfg.parallel.hybrid
     shuffle, cache = _data_settings(cfg, world, data)
     schedule = _check_parallel(cfg, world, model, shuffle)
@@ -256,7 +261,7 @@ def resolve(
     loss: LossName = (
         "user"
         if own_loss or ":" in cfg.train.loss
-        else ("mse" if (cfg.train.loss == "mse" or (cfg.train.loss == "auto" and data.task == "regression"))
+        else ("mse" if (cfg.train.loss == "mse" or (cfg.train.loss == "auto" and task == "regression"))
               else "cross-entropy")
     )  # fmt: skip
     steps = data.num_samples // cfg.data.global_batch if data.num_samples else None
@@ -280,7 +285,7 @@ def resolve(
         val_batch=max(1, cfg.data.global_batch // size),
         layout_micro_batches=layout_micro_batches,
         sample_shape=sample_shape,
-        task=data.task,
+        task=task,
         loss=loss,
         label_smoothing=cfg.train.label_smoothing,
         steps_per_epoch=steps,
@@ -340,7 +345,25 @@ def _data_settings(
     return shuffle, cache
 
 
-def _check_data_against_model(cfg: Config, data: DataFacts, model: ModelFacts) -> None:
+def _task(cfg: Config, data: DataFacts) -> TaskKind:
+    """``train.task``, resolved: auto takes the data's (read from its targets); a task named explicitly must
+    fit the targets (one label per sample, a label per token, or floats)."""
+    named = cfg.train.task
+    if named == "auto" or named == data.task:
+        return data.task
+    per_token = ("token-classification", "language-model")
+    fits = (
+        named == "regression"
+        or (named in per_token and data.task in per_token)
+        or (named == "classification" and data.task == "classification")
+    )
+    if not fits:
+        what = data.description or "this dataset"
+        raise ConfigError(f"train.task {named} does not fit {what}; use train.task auto or {data.task}")
+    return named
+
+
+def _check_data_against_model(cfg: Config, data: DataFacts, model: ModelFacts, task: str) -> None:
     """The dataset against the model and the loss: one line naming both sides."""
     what = data.description
     if data.source != "user" and is_zoo_model(cfg.model.name):
@@ -356,11 +379,16 @@ def _check_data_against_model(cfg: Config, data: DataFacts, model: ModelFacts) -
             )
         check_vit_size(cfg.model.name, cfg.data.image_size)
     loss = cfg.train.loss
-    if loss in ("mse", "cross-entropy") and (loss == "mse") != (data.task == "regression"):
+    if loss in ("mse", "cross-entropy") and (loss == "mse") != (task == "regression"):
         raise ConfigError(f"train.loss {loss} does not fit {what}; use train.loss auto")
-    if data.task == "regression" and cfg.train.label_smoothing > 0:
+    if task == "regression" and cfg.train.label_smoothing > 0:
         smoothing = cfg.train.label_smoothing
         raise ConfigError(f"train.label_smoothing {smoothing} is for classification, but {what}; set it to 0")
+    if data.target_key is not None and cfg.parallel.pp > 1:
+        raise ConfigError(
+            f"parallel.pp {cfg.parallel.pp}: pipeline stages pass tensors between them, but {what} gives dict "
+            "batches to the model as keyword arguments; train it with parallel.pp 1 (data parallel or sharded)"
+        )
     if data.source == "user" and not data.has_val and cfg.train.val_every > 0:
         raise ConfigError("train.val_every needs a validation set; give the dataset factory's (train, val)")
 

@@ -124,12 +124,13 @@ def test_full_shard_matches_ddp(straight: dict[str, dict]) -> None:
     assert sharded["kind"] == "ShardedStep" and ddp["kind"] == "DataParallelStep"
     assert sharded["summary"]["steps"] == ddp["summary"]["steps"] == 4
     _close(ddp, sharded, WEIGHT_ATOL)
-    # Every rank wrote its own shard file into the final checkpoint folder.
+    # Every rank wrote its own shard file into the final checkpoint folder, which lists their checksums.
     folder = straight["shard_dir"] / "checkpoints" / "step-00000004"
     assert sorted(p.name for p in folder.iterdir()) == [
         ".metadata",
         "__0_0.distcp",
         "__1_0.distcp",
+        "checksums.json",
         "trainer.pt",
     ]
 
@@ -256,7 +257,12 @@ def test_convert_sharded_to_one_file_and_back(
     done = _convert(single, folder)
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]
-    assert sorted(p.name for p in folder.iterdir()) == [".metadata", "__0_0.distcp", "trainer.pt"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "checksums.json",
+        "trainer.pt",
+    ]
     sharded = run_ranks(
         _train, 2, tmp_path / "s", tiny_data, tmp_path / "run-s", 0, str(folder), SHARD, timeout=240
     )

@@ -37,6 +37,8 @@ from kaisoku.engine.hybrid import HybridStep
 from kaisoku.engine.metrics import MetricsLogger
 from kaisoku.engine.sharded import ShardedStep
 from kaisoku.engine.step import DataParallelStep, LossFn, Precision, Preconditioner, StepEngine
+from kaisoku.engine.structures import to_device
+from kaisoku.engine.tasks import DefaultLoss
 from kaisoku.engine.trainer import Trainer, TrainSettings
 from kaisoku.errors import ConfigError, KaisokuError
 from kaisoku.memory.in_backward import attach_update_in_backward
@@ -65,20 +67,16 @@ def user_parts(cfg: Config, parts: UserParts | None = None) -> UserParts:
 
 
 def build_loss(plan: RunPlan, parts: UserParts) -> LossFn:
-    """The run's loss: the user's, else cross-entropy (with label smoothing) or mean squared error."""
+    """The run's loss: the user's, else the model's own where its output carries one, else cross-entropy
+    (with label smoothing; per token for token targets) or mean squared error."""
     if parts.loss is not None:
         return parts.loss
-    if plan.loss == "mse":
-        return mse_to_outputs
-    return nn.CrossEntropyLoss(label_smoothing=plan.label_smoothing)
-
-
-def mse_to_outputs(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean squared error with the targets taken in the outputs' shape and dtype: a dataset of scalar
-    targets against a model's ``[B, 1]`` outputs must not broadcast to ``[B, B]``."""
-    if targets.numel() == outputs.numel():
-        targets = targets.reshape(outputs.shape)
-    return nn.functional.mse_loss(outputs, targets.to(outputs.dtype))
+    return DefaultLoss(
+        plan.task,
+        target_key=plan.data.target_key,
+        label_smoothing=plan.label_smoothing,
+        mse=plan.loss == "mse",
+    )
 
 
 def example_batch(plan: RunPlan, device: torch.device, parts: UserParts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +87,8 @@ def example_batch(plan: RunPlan, device: torch.device, parts: UserParts) -> tupl
         data = parts.train_data
         samples = [data[i % len(data)] for i in range(plan.micro_batch)]
         inputs, targets = user_collate(samples)
-        return inputs.to(device), targets.to(device)
+        moved = to_device(inputs, device)
+        return moved, moved if targets is inputs else to_device(targets, device)
     shape = plan.memory_input_shape
     if plan.task == "regression":
         generator = torch.Generator().manual_seed(seed)
@@ -462,6 +461,7 @@ def build_trainer(
             max_rollbacks=cfg.train.max_rollbacks,
             task=plan.task,
             loss_fn=parts.loss,
+            target_key=plan.data.target_key,
             seed=cfg.train.seed,
         ),
         world=world,

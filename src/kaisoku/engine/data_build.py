@@ -4,7 +4,7 @@ loader, for a packed dataset, an image folder, the generated sets or the user's 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,20 +84,27 @@ class SampledLoader:
         """Nothing to release: the DataLoader's workers end with it."""
 
 
-def user_collate(samples: list[Any]) -> Any:
+def user_collate(samples: list[Any]) -> tuple[Any, Any]:
     """torch's default collate, with floating tensors in torch's default dtype (a dataset of float64 numpy
-    arrays trains a float32 model)."""
+    arrays trains a float32 model), as the step's ``(inputs, targets)``: the two parts of ``(input, target)``
+    samples, or a dict batch twice (the model takes it as keyword arguments, a loss sees all of it)."""
     batch = default_collate(samples)
     dtype = torch.get_default_dtype()
 
     def cast(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
             return value.to(dtype)
+        if isinstance(value, Mapping):
+            return {key: cast(v) for key, v in value.items()}
         if isinstance(value, (list, tuple)):
             return type(value)(cast(v) for v in value)
         return value
 
-    return cast(batch)
+    batch = cast(batch)
+    if isinstance(batch, Mapping):
+        return batch, batch
+    inputs, targets = batch
+    return inputs, targets
 
 
 class KeyedDataset(Dataset):

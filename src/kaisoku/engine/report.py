@@ -29,6 +29,7 @@ from kaisoku.fsutil import atomic_write_bytes, atomic_write_text, write_failure
 SERIES: tuple[tuple[str, str, str], ...] = (
     ("Training loss", "loss", "loss"),
     ("Validation accuracy", "accuracy", "val_accuracy"),
+    ("Validation token accuracy", "token accuracy", "val_token_accuracy"),
     ("Validation MAE", "MAE", "val_mae"),
     ("Learning rate", "lr", "lr"),
     ("Throughput", "samples/s", "samples_per_s"),
@@ -222,6 +223,8 @@ def finish_line(summary: dict[str, Any], run_dir: Path) -> str:
     parts = [f"kaisoku: done at step {summary.get('steps')}"]
     if "val_accuracy" in summary:
         parts.append(f"val accuracy {100 * summary['val_accuracy']:.2f}%")
+    if "val_token_accuracy" in summary:
+        parts.append(f"val token accuracy {100 * summary['val_token_accuracy']:.2f}%")
     parts.append(
         _skipped_text(int(summary.get("skipped_records", 0)), int(summary.get("val_skipped_records", 0)))
     )

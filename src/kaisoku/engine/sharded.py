@@ -28,6 +28,7 @@ from kaisoku.distributed.sharded_checkpoint import load_full_into_sharded, load_
 from kaisoku.distributed.sharding import broadcast_buffers, local_weights_finite, set_micro_batch
 from kaisoku.engine.divergence import NonFiniteGuard
 from kaisoku.engine.step import LossFn, MicroBatches, Precision
+from kaisoku.engine.structures import call_model
 
 
 class ActivationHooks(Protocol):
@@ -87,14 +88,14 @@ class ShardedStep:
     def train_step(self, micro_batches: MicroBatches) -> torch.Tensor:
         """Forward and backward of each micro-batch, then one optimizer step; the mean loss (no sync)."""
         self._model.train()
-        total = torch.zeros((), device=micro_batches[0][0].device)
+        total = torch.zeros((), device=self.precision.device)
         count = len(micro_batches)
         for k, (inputs, targets) in enumerate(micro_batches):
             if count > 1:
                 set_micro_batch(self._model, last=k == count - 1)
             saving = self.activations.step() if self.activations else contextlib.nullcontext()
             with self.precision.autocast(), saving:
-                loss = self.loss_fn(self._model(inputs), targets) / count
+                loss = self.loss_fn(call_model(self._model, inputs), targets) / count
             loss.backward()
             total += loss.detach().float()
         if self.guard is not None and self.guard.skips_step():

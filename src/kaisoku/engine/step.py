@@ -20,6 +20,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from kaisoku.distributed.layout import ParallelLayout
 from kaisoku.distributed.named_state import load_named_optimizer_state
 from kaisoku.engine.divergence import NonFiniteGuard
+from kaisoku.engine.structures import call_model
 from kaisoku.errors import KaisokuError
 from kaisoku.memory.compress import ActivationCompressor
 from kaisoku.models.blocks import state_names
@@ -179,7 +180,7 @@ class DataParallelStep:
         """Forward and backward of each micro-batch, then one optimizer step; the mean loss (no sync)."""
         self.wrapped.train()
         scaler = self.precision.scaler
-        total = torch.zeros((), device=micro_batches[0][0].device)
+        total = torch.zeros((), device=self.precision.device)
         count = len(micro_batches)
         for k, (images, labels) in enumerate(micro_batches):
             last = k == count - 1
@@ -188,7 +189,7 @@ class DataParallelStep:
             with sync:
                 saving = self.activations.step() if self.activations else contextlib.nullcontext()
                 with self.precision.autocast(), saving:
-                    loss = self.loss_fn(self.wrapped(images), labels) / count
+                    loss = self.loss_fn(call_model(self.wrapped, images), labels) / count
                 scaler.scale(loss).backward()
             total += loss.detach().float()
         if self.update_in_backward:

@@ -27,6 +27,7 @@ from kaisoku.engine.divergence import (
 )
 from kaisoku.engine.metrics import MetricsLogger, interval_peak_memory_mib, peak_memory_mib
 from kaisoku.engine.step import MicroBatches, Precision, StepEngine
+from kaisoku.engine.structures import batch_size, call_model, to_device
 from kaisoku.engine.tasks import make_task
 from kaisoku.errors import KaisokuError
 
@@ -99,6 +100,8 @@ class TrainSettings:
     them, mean absolute error per target)."""
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     """The run's own loss, which validation reports (None: cross-entropy or mean squared error)."""
+    target_key: str | None = None
+    """Where a dict batch holds its labels (None: batches are (input, target) pairs)."""
     seed: int = 0
     """train.seed: each step's random numbers (dropout) are drawn from a generator keyed by (seed, step)."""
 
@@ -147,6 +150,7 @@ class Trainer:
             std=settings.std,
             channels_last=settings.channels_last,
             loss_fn=settings.loss_fn,
+            target_key=settings.target_key,
         )
         self.world = world
         self.device = device
@@ -331,10 +335,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------
     # Steps
 
-    def _prepare(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        images = images.to(self.device, non_blocking=True)
-        labels = labels.to(self.device, non_blocking=True)
-        return self.task.prepare(images, labels)
+    def _prepare(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
+        moved = to_device(inputs, self.device)
+        # A dict batch is its own targets: moved once.
+        return self.task.prepare(moved, moved if targets is inputs else to_device(targets, self.device))
 
     def train_step(self, micro_batches: MicroBatches) -> torch.Tensor:
         """One optimizer step over ``micro_batches``; returns the mean loss as a device tensor (no sync)."""
@@ -383,10 +387,10 @@ class Trainer:
         for inputs, targets in self.val_loader or ():
             inputs, targets = self._prepare(inputs, targets)
             with self.precision.autocast():
-                outputs = model(inputs)
+                outputs = call_model(model, inputs)
             batch = self.task.validation_sums(outputs, targets)
             sums = batch if sums is None else sums + batch
-            seen += targets.shape[0]
+            seen += batch_size(inputs)
         values = [float(v) for v in (sums if sums is not None else self.task.empty_sums()).tolist()]
         # The eval sampler hands out this rank's share exactly once: fewer seen were skipped as damaged.
         expected = getattr(getattr(self.val_loader, "batch_sampler", None), "num_samples", seen)
@@ -540,10 +544,12 @@ class Trainer:
                     "layers": self.precision.monitor.totals(),
                 }
             )
+        # The last window's loss, averaged over the ranks: every rank returns the run's figure, not its own.
+        final_loss = env.all_reduce_sum([self.last_loss], self.device)[0] / self.world.world_size
         return {
             "steps": self.state.step,
             "epochs": self.state.step / self.train_data.steps_per_epoch,
-            "final_loss": self.last_loss,
+            "final_loss": final_loss,
             "samples_per_s": steps_run * self.settings.global_batch / max(wall, 1e-9),
             "train_seconds": wall,
             **val,
@@ -579,11 +585,7 @@ class Trainer:
                     **val,
                 }
             )
-            score = (
-                f"MAE {val['val_mae']:.4f}"
-                if "val_mae" in val
-                else f"accuracy {100 * val['val_accuracy']:.2f}%"
-            )
+            score = self.task.score(val)
             self.metrics.message(
                 f"step {self.state.step}: val loss {val['val_loss']:.4f}, "
                 f"{score} ({time.perf_counter() - start:.1f} s)"

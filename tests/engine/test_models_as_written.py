@@ -1,0 +1,177 @@
+"""Models and data as people write them: dict samples passed as keyword arguments, dict outputs carrying
+their own loss, token targets (a label per token, or a causal language model's shifted labels), and the
+summary reduced over ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+import kaisoku
+from kaisoku.errors import ConfigError
+
+VOCAB, LENGTH = 16, 12
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class NextToken(Dataset):
+    """Token sequences counting up modulo VOCAB from a keyed start: the next token is always learnable.
+    ``as_dict``: Hugging Face style samples (``input_ids``, ``labels`` equal to them); else ``(tokens,
+    per-token labels)`` pairs whose label at t is the token at t + 1."""
+
+    def __init__(self, count: int, seed: int, as_dict: bool) -> None:
+        starts = torch.randint(0, VOCAB, (count,), generator=torch.Generator().manual_seed(seed))
+        self.tokens = (starts[:, None] + torch.arange(LENGTH + 1)) % VOCAB
+        self.as_dict = as_dict
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> Any:
+        if self.as_dict:
+            ids = self.tokens[index, :LENGTH]
+            return {"input_ids": ids, "attention_mask": torch.ones(LENGTH, dtype=torch.long), "labels": ids}
+        return self.tokens[index, :LENGTH], self.tokens[index, 1:]
+
+
+class TinyCausalLM(nn.Module):
+    """Takes ``input_ids`` (and ``labels``) as keyword arguments and returns a dict with ``logits`` and, given
+    labels, the shifted next-token ``loss``, as a Hugging Face causal LM does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        logits = self.head(self.embed(input_ids))
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100
+            )
+        return out
+
+
+class TokenTagger(nn.Module):
+    """Token ids ``[B, T]`` in, logits ``[B, T, C]`` out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens))
+
+
+def _config(run_dir: Path, **train: Any) -> kaisoku.Config:
+    cfg = kaisoku.Config(run_dir=str(run_dir))
+    cfg.data.global_batch, cfg.data.workers, cfg.train.epochs, cfg.optim.lr = 32, 0, 4, 0.5
+    cfg.metrics.progress = False
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    return cfg
+
+
+def test_a_dict_dataset_and_a_model_returning_its_own_loss_train_as_a_language_model(tmp_path: Path) -> None:
+    """Hugging Face's shape: dict samples as keyword arguments, the model's own loss used; validation reports
+    per-token loss, token accuracy and perplexity of the shifted predictions."""
+    torch.manual_seed(0)
+    summary = kaisoku.fit(
+        _config(tmp_path / "run"),
+        model=TinyCausalLM(),
+        data=NextToken(256, 0, as_dict=True),
+        val_data=NextToken(64, 1, as_dict=True),
+    )
+    assert summary["val_token_accuracy"] > 0.9  # counting up is learnable: chance is 1/16
+    assert summary["val_perplexity"] < 2.0
+    assert summary["val_tokens"] == 64 * (LENGTH - 1)  # every label but the first of each sequence
+    assert summary["val_perplexity"] == pytest.approx(math.exp(summary["val_loss"]))
+
+
+def test_integer_sequence_targets_are_token_classification_with_cross_entropy_per_token(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    torch.manual_seed(0)
+    cfg = _config(tmp_path / "run", loss="cross-entropy", label_smoothing=0.05)
+    summary = kaisoku.fit(
+        cfg,
+        model=TokenTagger(),
+        data=NextToken(256, 0, as_dict=False),
+        val_data=NextToken(64, 1, as_dict=False),
+    )
+    assert summary["val_token_accuracy"] > 0.9
+    assert summary["val_tokens"] == 64 * LENGTH
+    # The plan says what it resolved.
+    from kaisoku.engine.build import user_parts
+    from kaisoku.parts import UserParts
+    from kaisoku.run_facts import plan_run
+
+    parts = user_parts(cfg, UserParts(model=TokenTagger(), train_data=NextToken(64, 0, as_dict=False)))
+    plan = plan_run(cfg, None, parts)
+    assert plan.task == "token-classification" and plan.loss == "cross-entropy"
+    assert "(input, target) pairs" in plan.data.description
+
+
+def test_a_task_the_targets_do_not_fit_and_dict_batches_under_pipeline_stages_are_refused(
+    tmp_path: Path,
+) -> None:
+    from kaisoku.engine.build import user_parts
+    from kaisoku.parts import UserParts
+    from kaisoku.run_facts import plan_run
+
+    cfg = _config(tmp_path / "run", task="classification")
+    parts = user_parts(cfg, UserParts(model=TokenTagger(), train_data=NextToken(64, 0, as_dict=False)))
+    with pytest.raises(ConfigError, match="train.task classification does not fit .*token-classification"):
+        plan_run(cfg, None, parts)
+    cfg = _config(tmp_path / "run")
+    cfg.parallel.pp = 2
+    parts = user_parts(cfg, UserParts(model=TinyCausalLM(), train_data=NextToken(64, 0, as_dict=True)))
+    with pytest.raises(ConfigError, match="pipeline stages pass tensors between them"):
+        plan_run(cfg, None, parts)
+
+
+def fit_and_write_summary(folder: str) -> None:
+    """A rank's ``main`` under ``kaisoku.launch``: fit, then write this rank's summary to a file of its own."""
+    torch.manual_seed(0)
+    summary = kaisoku.fit(
+        _config(Path(folder) / "run", epochs=1), model=TinyCausalLM(), data=NextToken(256, 0, as_dict=True)
+    )
+    rank = os.environ.get("RANK", "0")
+    (Path(folder) / f"summary-{rank}.json").write_text(json.dumps(summary))
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_return_the_same_summary_with_the_loss_averaged_over_ranks(tmp_path: Path) -> None:
+    script = tmp_path / "two_ranks.py"
+    script.write_text(
+        "import functools, sys\n"
+        "import kaisoku\n"
+        "from tests.engine.test_models_as_written import fit_and_write_summary\n\n"
+        "if __name__ == '__main__':\n"
+        "    kaisoku.launch(functools.partial(fit_and_write_summary, sys.argv[1]), nproc=2)\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=200, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = [json.loads((tmp_path / f"summary-{rank}.json").read_text()) for rank in (0, 1)]
+    assert summaries[0]["steps"] == summaries[1]["steps"] == 8
+    assert summaries[0]["final_loss"] == summaries[1]["final_loss"]
