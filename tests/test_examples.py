@@ -49,6 +49,21 @@ def test_readme_own_model_example_runs_on_two_ranks(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "kaisoku: done at step 28;" in result.stdout
     assert (tmp_path / "runs" / "mine" / "checkpoints" / "step-00000028.pt").is_file()
+    # It learns: the last line (rank 0's) reports an accuracy far above chance (33%).
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("learned: validation accuracy ") and last.endswith("% (chance 33%)"), last
+    assert float(last.split()[3].rstrip("%")) > 70.0, last
+
+    # A second run in the same folder is refused in one line naming the Python setting, with no traceback.
+    again = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=280,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert "Traceback" not in again.stderr
+    (line,) = again.stderr.strip().splitlines()
+    assert line.startswith(f"kaisoku: error: run folder {Path('runs') / 'mine'} holds another run"), line
+    assert 'set cfg.checkpoint.resume = "auto" to continue it, or choose a new cfg.run_dir' in line
 
 
 @pytest.mark.slow

@@ -18,10 +18,14 @@ report) around the given parts, so they get every feature the zoo's models get.
 
 from __future__ import annotations
 
+import random
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
+import torch
 
 from kaisoku.config import Config, validate
 from kaisoku.distributed.env import inside_slurm_step, inside_torchrun, planned_world_size, world_from_env
@@ -64,15 +68,38 @@ def fit(
         validate(cfg)
         parts = user_parts(cfg, UserParts(model=model, train_data=data, val_data=val_data, loss=loss))
         plan = plan_run(cfg, WorldShape(world.world_size, world.local_world_size), parts)  # refuse here
-    except KaisokuError as error:
+        return run_training(cfg, parts=parts, plan=plan)
+    except KaisokuError as error:  # refused before training (a failure while training exits on its own)
         if world.is_main:  # every rank refuses alike; one says so
-            print(f"kaisoku: error: {error}", file=sys.stderr, flush=True)
+            print(f"kaisoku: error: {in_python_terms(str(error))}", file=sys.stderr, flush=True)
         elif world.world_size > 1:
             # The launcher stops every rank once one exits; a silent rank that exited first would stop rank 0
             # before its line was printed and be reported as the cause. It waits for rank 0 to go first.
             time.sleep(_SILENT_RANK_WAIT_S)
         raise SystemExit(error.exit_code) from None
-    return run_training(cfg, parts=parts, plan=plan)
+
+
+#: The command line's spelling of a remedy -> the same setting as a ``fit`` caller writes it.
+_PYTHON_TERMS = (
+    ("pass --resume auto", 'set cfg.checkpoint.resume = "auto"'),
+    ("--resume auto", 'cfg.checkpoint.resume = "auto"'),
+    ("choose a new --run-dir", "choose a new cfg.run_dir"),
+    ("choose another --run-dir", "choose another cfg.run_dir"),
+)
+
+
+def in_python_terms(message: str) -> str:
+    """A refusal's remedy as a Python caller sets it (``cfg.checkpoint.resume = "auto"``, not ``--resume``)."""
+    for flag, setting in _PYTHON_TERMS:
+        message = message.replace(flag, setting)
+    return message
+
+
+def seed_alike(seed: int = 0) -> None:
+    """Seed torch's, NumPy's and Python's generators with ``seed``: the same numbers on every rank."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def launch(main: Callable[[], Any], *, nproc: int = 0, max_restarts: int = 0) -> Any:
@@ -84,11 +111,18 @@ def launch(main: Callable[[], Any], *, nproc: int = 0, max_restarts: int = 0) ->
     the launcher returns None when every rank succeeded. When one failed, the launcher exits with its exit
     code (the rank printed why: one line for a known failure, e.g. code 2 for settings ``fit`` refuses), or
     with one line and code 1 when a signal killed it.
+
+    Before ``main`` runs, every rank seeds torch's, NumPy's and Python's generators alike (with 0), so that
+    data ``main`` builds with randomness (a random split, generated samples) is the same on every rank;
+    ``fit`` checks that every rank holds the same dataset. Training's own randomness is keyed by
+    ``train.seed``.
     """
     if inside_torchrun() or inside_slurm_step():
+        seed_alike()
         return main()
     ranks = planned_world_size(nproc)
     if ranks == 1:
+        seed_alike()
         return main()
     if not sys.argv or not sys.argv[0] or sys.argv[0] in ("-c", "-"):
         raise KaisokuError(

@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+import xxhash
 from torch import nn
 
 from kaisoku.config import Config, to_dict
@@ -30,6 +32,7 @@ from kaisoku.distributed.pipeline import HybridOptions
 from kaisoku.distributed.sharding import shard_model, shard_norm_reducer
 from kaisoku.engine.checkpoint import CheckpointManager
 from kaisoku.engine.checkpoint_resume import resume_trainer
+from kaisoku.engine.checksums import tensor_digest
 from kaisoku.engine.compile import compile_run, synthetic_batch
 from kaisoku.engine.data_build import DataParts, build_data, user_collate
 from kaisoku.engine.divergence import NonFiniteGuard
@@ -64,6 +67,49 @@ def user_parts(cfg: Config, parts: UserParts | None = None) -> UserParts:
             cfg.train.loss if given.loss is None else "auto",
         )
     )
+
+
+def check_same_data(train: Any, val: Any | None) -> None:
+    """Refuse, in one line, a user's dataset that differs between ranks (a collective): data built with
+    unseeded randomness, or a random split, trains each rank on other samples without a word. Compared:
+    the length and a digest of three samples (first, middle, last) of each dataset."""
+    mine = (dataset_fingerprint(train), dataset_fingerprint(val) if val is not None else "")
+    every = env.all_gather_object(mine)
+    differ = [rank for rank, theirs in enumerate(every) if theirs != every[0]]
+    if differ:
+        which = "training" if any(every[r][0] != every[0][0] for r in differ) else "validation"
+        raise ConfigError(
+            f"data: rank {differ[0]} holds another {which} dataset than rank 0 (its length or samples differ); "
+            "build the data the same way on every rank: seed its randomness (kaisoku.launch seeds every rank "
+            "alike before main runs) or split it with a fixed seed"
+        )
+
+
+def dataset_fingerprint(dataset: Any) -> str:
+    """A digest of ``dataset``'s length and of its first, middle and last samples (any nesting of tensors,
+    arrays, numbers and strings)."""
+    count = len(dataset)
+    digest = xxhash.xxh3_64(str(count).encode())
+    for index in sorted({0, count // 2, count - 1} if count else set()):
+        for leaf in _leaves(dataset[index]):
+            digest.update(leaf)
+    return digest.hexdigest()
+
+
+def _leaves(value: Any) -> Iterator[bytes]:
+    if isinstance(value, torch.Tensor):
+        yield tensor_digest(value).encode()
+    elif isinstance(value, np.ndarray):
+        yield tensor_digest(torch.from_numpy(np.ascontiguousarray(value))).encode()
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield str(key).encode()
+            yield from _leaves(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _leaves(item)
+    else:
+        yield repr(value).encode()
 
 
 def build_loss(plan: RunPlan, parts: UserParts) -> LossFn:
@@ -383,6 +429,8 @@ def build_trainer(
     wait_start = time.perf_counter()
     pg_init.wait()
     pg_wait_seconds = time.perf_counter() - wait_start
+    if parts.train_data is not None and world.distributed:
+        check_same_data(parts.train_data, parts.val_data)
     if isinstance(data.train, ShardLoader):
         # Collective set-up of the shard loader: a run token all ranks share, the exchange's group.
         data.train.connect(

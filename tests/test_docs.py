@@ -1,0 +1,36 @@
+"""Every Python example in the manual (``docs/*.md``) runs as written, each in a folder of its own."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
+EXAMPLES = [
+    (page.name, index, code)
+    for page in sorted((ROOT / "docs").glob("*.md"))
+    for index, code in enumerate(BLOCK.findall(page.read_text()))
+]
+
+
+def test_the_manual_has_examples_to_run() -> None:
+    assert {page for page, _, _ in EXAMPLES} >= {"own-model.md", "large-batch.md", "memory-precision.md"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("page", "index", "code"), EXAMPLES, ids=[f"{p}-{i}" for p, i, _ in EXAMPLES])
+def test_a_docs_example_runs(tmp_path: Path, page: str, index: int, code: str) -> None:
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=280,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, f"{page} example {index}:\n{result.stderr[-3000:]}"
+    assert "Traceback" not in result.stderr
