@@ -190,6 +190,40 @@ class RunPlan:
         names = DATA_MESH_DIM_NAMES if self.sharded_engine else ("dp",)
         return " x ".join(f"{name}={size}" for name, size in zip(names, self.mesh_shape))
 
+    @property
+    def batch_mapping(self) -> str:
+        """What the model gets and what the loss compares with."""
+        key = self.data.target_key
+        if key is not None:
+            return f"model(**batch); labels: batch[{key!r}]; loss(outputs, batch)"
+        return "model(inputs); loss(outputs, targets)"
+
+    @property
+    def loss_description(self) -> str:
+        """The training loss in words."""
+        if self.loss == "user":
+            return "user (your own loss)"
+        if self.loss == "mse":
+            return "the model's own where its output carries one, else mse"
+        smoothing = f", label smoothing {self.label_smoothing:g}" if self.label_smoothing else ""
+        per = {"token-classification": " per token", "language-model": " per token, shifted"}.get(
+            self.task, ""
+        )
+        return f"the model's own where its output carries one, else cross-entropy{per}{smoothing}"
+
+    @property
+    def optimizer_description(self) -> str:
+        """The optimizer and its peak learning rate."""
+        optim = self.config.optim
+        kfac = " + K-FAC" if optim.kfac.enabled else ""
+        return f"{optim.name}{kfac}, lr {optim.lr:g}, weight decay {optim.weight_decay:g}"
+
+    @property
+    def schedule_description(self) -> str:
+        """The learning-rate schedule over the run."""
+        sched = self.config.sched
+        return f"warmup {sched.warmup_epochs:g} epochs, then {sched.name} over {self.config.train.epochs:g} epochs"
+
     def describe(self) -> str:
         """The plan as aligned ``key: value`` lines (``kaisoku train --print-plan``)."""
         rows: list[tuple[str, Any]] = [
@@ -204,7 +238,15 @@ class RunPlan:
             ("micro batch", self.micro_batch),
             ("sample shape", list(self.sample_shape)),
             ("task", self.task),
-            ("loss", self.loss),
+            ("batch", self.batch_mapping),
+            ("loss", self.loss_description),
+            ("optimizer", self.optimizer_description),
+            ("lr schedule", self.schedule_description),
+            (
+                "total steps",
+                self.total_steps(self.steps_per_epoch)[1] if self.steps_per_epoch else "when opened",
+            ),
+            ("validation", "yes" if self.data.has_val else "none"),
             ("steps per epoch", self.steps_per_epoch if self.steps_per_epoch is not None else "when opened"),
             ("shuffle", self.shuffle.name),
             ("node cache", "on" if self.cache.enabled else "off"),

@@ -141,6 +141,16 @@ def test_a_task_the_targets_do_not_fit_and_dict_batches_under_pipeline_stages_ar
     with pytest.raises(ConfigError, match="train.task classification does not fit .*token-classification"):
         plan_run(cfg, None, parts)
     cfg = _config(tmp_path / "run")
+    parts = user_parts(cfg, UserParts(model=TinyCausalLM(), train_data=NextToken(64, 0, as_dict=True)))
+    described = plan_run(cfg, None, parts).describe()  # what --print-plan prints
+    for row in (
+        "task                  language-model",
+        "batch                 model(**batch); labels: batch['labels']; loss(outputs, batch)",
+        "loss                  the model's own where its output carries one, else cross-entropy per token, shifted",
+        "optimizer             sgd, lr 0.5",
+        "total steps           8",
+    ):
+        assert row in described, described
     cfg.parallel.pp = 2
     parts = user_parts(cfg, UserParts(model=TinyCausalLM(), train_data=NextToken(64, 0, as_dict=True)))
     with pytest.raises(ConfigError, match="pipeline stages pass tensors between them"):
