@@ -8,6 +8,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -150,10 +151,14 @@ def test_a_killed_launcher_takes_its_ranks_down_and_the_next_run_marks_it_failed
     assert wait_for(lambda: not any(_alive(pid) for pid in ranks if pid is not None), 60), "ranks still run"
     assert json.loads((run_dir / "run.json").read_text())["status"] == "running"
     assert list(ram.iterdir()) == []  # the ranks left through Python, removing their RAM tier
+    for rank in (0, 1):  # each rank's record says why it stopped: no other rank had failed
+        record = json.loads((run_dir / "logs" / f"failure-rank-{rank}.json").read_text())
+        assert record["cause"] == "stopped because its launcher died (killed)", record
     later = _run(args)
     assert later.returncode == 2  # it holds the killed run's steps
     state = json.loads((run_dir / "run.json").read_text())
     assert state["status"] == "failed" and f"pid {launcher.pid}" in state["cause"]
+    assert state["ended"] is not None and state["ended"] <= time.time()
     assert f"kaisoku: the earlier run in {run_dir} stopped without a word" in later.stderr
 
 

@@ -159,7 +159,12 @@ def test_full_disk_is_a_clear_error_and_keeps_old_checkpoints(tiny_disk: Path) -
     small = manager.save(_state(1))
     big = _state(2)
     big["model"]["w"] = torch.zeros(1 << 16)  # 256 KiB: does not fit
-    with pytest.raises(KaisokuError, match="could not write checkpoint .*step-00000002.pt.*free space"):
+    with pytest.raises(
+        KaisokuError, match="could not write checkpoint .*step-00000002.pt.*free space"
+    ) as full:
         manager.save(big)
+    assert str(full.value).endswith(
+        "; --resume auto then continues from checkpoint step 1, the newest written"
+    )
     assert [p.name for p in (tiny_disk / "checkpoints").iterdir()] == [small.name]
     assert CheckpointManager.load(small)["step"] == 1

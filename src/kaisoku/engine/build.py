@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import random
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -87,12 +88,23 @@ def check_same_data(train: Any, val: Any | None) -> None:
 
 def dataset_fingerprint(dataset: Any) -> str:
     """A digest of ``dataset``'s length and of its first, middle and last samples (any nesting of tensors,
-    arrays, numbers and strings)."""
+    arrays, numbers and strings). The samples are read with the generators seeded alike and put back as they
+    were after: a dataset that augments at random neither differs between ranks for it nor moves the run's
+    random streams (which a single rank, that checks nothing, would then not match)."""
     count = len(dataset)
     digest = xxhash.xxh3_64(str(count).encode())
-    for index in sorted({0, count // 2, count - 1} if count else set()):
-        for leaf in _leaves(dataset[index]):
-            digest.update(leaf)
+    numpy_state, python_state = np.random.get_state(), random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        np.random.seed(0)
+        random.seed(0)
+        try:
+            for index in sorted({0, count // 2, count - 1} if count else set()):
+                for leaf in _leaves(dataset[index]):
+                    digest.update(leaf)
+        finally:
+            np.random.set_state(numpy_state)
+            random.setstate(python_state)
     return digest.hexdigest()
 
 

@@ -345,8 +345,14 @@ class _PendingSave:
 
 
 def _write_error(path: Path, error: OSError) -> KaisokuError:
+    newest = newest_step(path.parent)
+    kept = (
+        f"; --resume auto then continues from checkpoint step {newest}, the newest written"
+        if newest is not None
+        else ""
+    )
     return KaisokuError(
-        f"could not write checkpoint {path}: {error.strerror}; free space or change --run-dir"
+        f"could not write checkpoint {path}: {error.strerror}; free space or change --run-dir{kept}"
     )
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kaisoku.data.node_cache.tier_dirs import NodeCacheError
+from kaisoku.distributed.launch import LAUNCHER_PID_ENV
 from kaisoku.distributed.sharded_checkpoint import UnreadableCheckpointError
 from kaisoku.engine import hosts, stop
 from kaisoku.engine.checkpoint import newest_step
@@ -64,6 +65,7 @@ _WRAPPED = re.compile(r"^(kaisoku\.[\w.]+)\.(\w+Error): (.+)$", re.MULTILINE)
 # A loader worker stopped by the launcher's SIGTERM (to the rank's whole process group) in the teardown.
 _WORKER_STOPPED = re.compile(r"DataLoader worker \(pid\(?s?\)? [\d, ]+\) is killed by signal: Terminated")
 _STOP_SIGNALLED = [False]  # set by on_stop_signal: from then on, any error is the teardown's doing
+_LAUNCHER_GONE = [False]  # set by on_stop_signal where the stop came from the launcher's death
 
 
 @dataclass
@@ -118,7 +120,23 @@ def on_stop_signal(signum: int, frame: object) -> None:
     signal, a peer's closed connection) is not taken for this rank's own failure.
     """
     _STOP_SIGNALLED[0] = True
+    _LAUNCHER_GONE[0] = launcher_gone()
     raise SystemExit(128 + signum)
+
+
+def launcher_gone() -> bool:
+    """Whether this rank's kaisoku launcher has died: this rank was handed to another parent, or the
+    launcher's process is gone or a zombie."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV, "")
+    if not launcher.isdigit():
+        return False
+    if os.getppid() != int(launcher):
+        return True
+    try:
+        state = Path(f"/proc/{launcher}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
 
 
 def _chain(error: BaseException) -> Iterator[BaseException]:
@@ -150,6 +168,8 @@ def classify(
         return Failure("signal", message, resumable=True, step=error.step)
     stopped = _STOP_SIGNALLED[0] or _WORKER_STOPPED.search(message) is not None
     if stopped or any(isinstance(link, SystemExit) for link in _chain(error)):
+        if _LAUNCHER_GONE[0] or launcher_gone():
+            return Failure("stopped", "stopped because its launcher died (killed)")
         return Failure("stopped", "stopped by the launcher after another rank failed")
     if isinstance(error, NonFiniteError):
         remedy = "lower --optim.lr (or lengthen --sched.warmup-epochs)"

@@ -194,9 +194,19 @@ def mark_stale(run_dir: Path) -> bool:
     cause = (
         f"stopped without a word: {describe(owner) if isinstance(owner, dict) else 'its launcher'} is gone"
     )
-    failures.mark_run(run_dir, status="failed", failure="unknown", cause=cause, exit_code=None)
+    failures.mark_run(
+        run_dir, status="failed", failure="unknown", cause=cause, exit_code=None, ended=last_activity(run_dir)
+    )
     print(f"kaisoku: the earlier run in {run_dir} {cause}; marked failed in run.json", file=sys.stderr)
     return True
+
+
+def last_activity(run_dir: Path) -> float | None:
+    """When a run last wrote its metrics or a rank's log (seconds since the epoch): the end of a run whose
+    launcher was killed, as the next run on its folder finds it; None where it wrote neither."""
+    written = [run_dir / "metrics.jsonl", *failures.log_dir(run_dir).glob("rank-*.log")]
+    times = [path.stat().st_mtime for path in written if path.exists()]
+    return max(times) if times else None
 
 
 def trained_steps(run_dir: Path) -> str | None:
