@@ -185,3 +185,41 @@ def test_two_ranks_return_the_same_summary_with_the_loss_averaged_over_ranks(tmp
     summaries = [json.loads((tmp_path / f"summary-{rank}.json").read_text()) for rank in (0, 1)]
     assert summaries[0]["steps"] == summaries[1]["steps"] == 8
     assert summaries[0]["final_loss"] == summaries[1]["final_loss"]
+
+
+_RANK_DATA = '''
+import os
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+def data():
+    """Built from a generator seeded by the rank: every rank holds other samples."""
+    generator = torch.Generator().manual_seed(int(os.environ.get("RANK", "0")))
+    x = torch.randn(256, 8, generator=generator)
+    return TensorDataset(x, (x.sum(dim=1) > 0).long())
+
+
+def net(spec):
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+'''
+
+
+@pytest.mark.timeout(240)
+def test_ranks_holding_other_data_are_refused_naming_the_rank(tmp_path: Path) -> None:
+    (tmp_path / "rank_data.py").write_text(_RANK_DATA)
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "kaisoku", "train", "--nproc", "2", "--run-dir", str(tmp_path / "run"),
+            "--data.dataset", "rank_data:data", "--model.name", "rank_data:net", "--data.global-batch", "32",
+            "--data.workers", "0", "--train.val-every", "0", "--metrics.progress", "false",
+        ],
+        cwd=tmp_path, capture_output=True, text=True, timeout=200, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    cause, hint = result.stderr.strip().splitlines()
+    assert cause.startswith("kaisoku: error: data: rank 1 holds another training dataset than rank 0"), cause
+    assert "seed its randomness (kaisoku.launch seeds every rank alike" in cause
+    assert hint == f"kaisoku: full logs in {tmp_path / 'run' / 'logs'}"
+    assert not (tmp_path / "run" / "checkpoints").exists()
