@@ -215,7 +215,7 @@ def test_a_validation_pass_in_worker_processes_can_count_its_skipped_records(
     assert dataset.skipped == 0  # counted in the worker process only: the main process never sees it
 
 
-def test_truncated_shard(folder: tuple[Path, dict[str, bytes]]) -> None:
+def test_truncated_shard(folder: tuple[Path, dict[str, bytes]], caplog: pytest.LogCaptureFixture) -> None:
     path, _ = folder
     index = read_index(path)
     shard_path = index.shard_path(2)
@@ -226,8 +226,12 @@ def test_truncated_shard(folder: tuple[Path, dict[str, bytes]]) -> None:
     skipping = ShardedDataset(path, skip_corrupt=True)
     first = int(index.shard_starts()[2])
     last = first + index.shards[2].samples - 1
-    assert skipping[first] is not None and skipping[last] is None
+    with caplog.at_level(logging.WARNING, logger="kaisoku"):
+        assert skipping[first] is not None and skipping[last] is None
     assert skipping.skipped == 1
+    # The warning names what is damaged, and suggests nothing that is on already (skip_corrupt).
+    warned = [r.getMessage() for r in caplog.records if "skipped damaged record" in r.getMessage()]
+    assert len(warned) == 1 and "truncated" in warned[0] and "skip_corrupt" not in warned[0], warned
 
 
 def test_missing_shard(folder: tuple[Path, dict[str, bytes]]) -> None:

@@ -308,5 +308,6 @@ def test_pack_into_a_full_read_only_or_immutable_destination_is_one_line(tmp_pat
         assert lines[0].startswith(f"kaisoku: error: cannot write the pack to {dest}: "), lines
         reason = {"full": "no space left", "read-only": "read-only file system", "immutable": "not permitted"}
         assert reason[kind] in lines[0], lines
-        left = [p.name for p in dest.rglob("*") if p.is_file()] if dest.exists() else []
-        assert left == []  # no shard, temp file or index left behind
+        left = [p.name for p in dest.rglob("*")] if dest.exists() else []
+        assert left == []  # no shard, temp file, index or empty split folder left behind
+        assert dest.exists() == (kind != "full")  # a folder the pack made itself is gone too

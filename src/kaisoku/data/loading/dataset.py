@@ -600,7 +600,8 @@ class ShardedDataset(torch.utils.data.Dataset):
         if self.source.counters is not None:
             self.source.counters.add("skipped_records")
         if self.skipped <= _LOGGED_SKIPS:
-            logger.warning("skipped damaged record: %s", error)
+            # Only what is damaged: the remedy the error carries (use skip_corrupt) is what is on already.
+            logger.warning("skipped damaged record: %s", str(error).split("; ")[0])
         elif self.skipped == _LOGGED_SKIPS + 1:
             logger.warning("further damaged records are skipped without a message (see .skipped)")
         return None

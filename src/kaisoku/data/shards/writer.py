@@ -23,6 +23,7 @@ so a directory with an index is always complete.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -578,6 +579,7 @@ def pack(
     ``verify_images``: decode-check every image while packing.
     """
     shard_bytes = parse_bytes(shard_bytes)
+    existed = Path(dst).exists()
     try:
         if isinstance(source, str | os.PathLike):
             path = Path(source)
@@ -617,7 +619,20 @@ def pack(
         failure = _destination_failure(error, Path(dst))
         if failure is None:
             raise
+        _remove_empty_folders(Path(dst), keep_root=existed)
         raise failure from None
+
+
+def _remove_empty_folders(dst: Path, *, keep_root: bool) -> None:
+    """Remove the folders a failed pack made and left empty (the split folders, ``dst`` where it made it)."""
+    if not dst.is_dir():
+        return
+    for folder in sorted((p for p in dst.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only empty ones go
+    if not keep_root:
+        with contextlib.suppress(OSError):
+            dst.rmdir()
 
 
 def _destination_failure(error: OSError, dst: Path) -> KaisokuError | None:
