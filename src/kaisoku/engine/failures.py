@@ -327,14 +327,7 @@ def rank_failures(
         if not launched:
             print_failure(failure, run_dir, resume=resume)
             if rank == 0:
-                mark_run(
-                    run_dir,
-                    status="stopped" if failure.kind == "signal" else "failed",
-                    failure=failure.kind,
-                    cause=failure.cause,
-                    step=failure.step,
-                    ended=time.time(),
-                )
+                mark_ended(run_dir, failure)
             raise SystemExit(failure.exit_code) from None
         sys.stdout.flush()
         sys.stderr.flush()
@@ -455,6 +448,20 @@ def mark_run(run_dir: Path, **fields: Any) -> None:
         pass  # the status file is a convenience; the exit code and the two lines carry the news
 
 
+def mark_ended(run_dir: Path, failure: Failure, **fields: Any) -> None:
+    """Record in ``run.json`` how the run ended: ``failed`` (``stopped`` on a signal, its checkpoint written),
+    the failure's class, cause and step, the time, and ``fields``."""
+    mark_run(
+        run_dir,
+        status="stopped" if failure.kind == "signal" else "failed",
+        failure=failure.kind,
+        cause=failure.cause,
+        step=failure.step,
+        ended=time.time(),
+        **fields,
+    )
+
+
 def report_launch(
     run_dir: Path,
     failures: list[tuple[int, str, bool]],
@@ -482,15 +489,7 @@ def report_launch(
         rank, how, _ = failures[0]
         failure.cause = f"rank {rank} stopped ({how})"
     print_failure(failure, run_dir, resume=resume)
-    mark_run(
-        run_dir,
-        status="stopped" if failure.kind == "signal" else "failed",
-        failure=failure.kind,
-        cause=failure.cause,
-        step=failure.step,
-        ended=time.time(),
-        exit_code=failure.exit_code,
-    )
+    mark_ended(run_dir, failure, exit_code=failure.exit_code)
     return failure.exit_code
 
 
