@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +11,14 @@ import pytest
 import torch
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+#: The benchmarks (``kaisoku_bench``) live beside the library; the tests import them from the checkout, installed
+#: or not, and so do the processes the tests start.
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(BENCHMARKS), os.environ.get("PYTHONPATH", "")) if p
+    )
 
 
 @pytest.fixture(autouse=True)

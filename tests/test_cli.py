@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tomllib
@@ -103,3 +104,18 @@ def test_train_help_prints_help_texts_with_a_percent_sign_as_written(
     text = " ".join(result.stdout.split())  # argparse wraps the help text
     assert "about 0.5% relative error" in text
     assert "{'" not in result.stdout  # a help text read as a %-format printed argparse's own dict
+
+
+def test_bench_without_the_benchmarks_installed_says_how_to_install_them(tmp_path: Path) -> None:
+    """The benchmarks are not part of the library: where ``kaisoku_bench`` cannot be imported (a plain install of
+    kaisoku), ``kaisoku bench`` says in one line how to install it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}  # the library alone, not the tests' benchmarks path
+    result = subprocess.run(
+        [sys.executable, "-m", "kaisoku", "bench", "loader", "--quick"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "kaisoku: error: kaisoku bench needs the benchmarks, which are not installed: from a clone of the "
+        "repository, pip install -e './benchmarks' (and -e '.[bench]' for the peers they measure against)"
+    ]

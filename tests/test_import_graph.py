@@ -272,3 +272,24 @@ def test_the_checks_see_relative_function_level_and_typing_imports(tmp_path: Pat
     assert unexplained_in_function_imports(sites, tmp_path) == [
         "kaisoku/sub/leaf.py:4: kaisoku.top in later()"
     ]
+
+
+def test_the_library_holds_no_benchmark_and_imports_one_only_for_the_bench_command() -> None:
+    """The benchmarks live beside the library (``benchmarks/kaisoku_bench``); ``kaisoku bench`` reaches them
+    by an import inside its command, the one place that may."""
+    assert not (SRC / "kaisoku" / "bench").exists()
+    reaching = set()
+    for path in sorted((SRC / "kaisoku").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            if any(name.split(".")[0] == "kaisoku_bench" for name in names):
+                inside = [f.name for f in functions if f.lineno <= node.lineno <= (f.end_lineno or f.lineno)]
+                reaching.add((path.name, inside[-1] if inside else None))
+    assert reaching == {("cli.py", "cmd_bench")}

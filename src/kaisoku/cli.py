@@ -204,9 +204,15 @@ def cmd_datagen(argv: Sequence[str]) -> int:
 def cmd_bench(argv: Sequence[str]) -> int:
     """``kaisoku bench NAME [--quick] [--out DIR] [--strict] [--allow-dirty] [--mnist PATH]``; ``kaisoku bench
     gpu [--out DIR] [--allow-dirty]`` records every row that needs a GPU."""
-    # start-up: each command imports only what it runs
-    from kaisoku.bench import main as bench_main
-
+    try:  # an optional part: the benchmarks live beside the library, in the repository's benchmarks/
+        from kaisoku_bench import main as bench_main
+    except ModuleNotFoundError as missing:
+        if missing.name != "kaisoku_bench":
+            raise
+        raise ConfigError(
+            "kaisoku bench needs the benchmarks, which are not installed: from a clone of the repository, "
+            "pip install -e './benchmarks' (and -e '.[bench]' for the peers they measure against)"
+        ) from None
     return bench_main(argv)
 
 

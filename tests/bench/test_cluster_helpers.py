@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from kaisoku.bench import cluster_scaling as scaling
-from kaisoku.bench.cluster import planner_errors, recommendation_vs_fastest
-from kaisoku.bench.cluster_rank import split_clocks
 from kaisoku.distributed.launch import DEFAULT_TIMING, RendezvousTiming, rendezvous_for
+from kaisoku_bench import cluster_scaling as scaling
+from kaisoku_bench.cluster import planner_errors, recommendation_vs_fastest
+from kaisoku_bench.cluster_rank import split_clocks
 
 
 def _record(repeat: int, hosts: int, exchange: float, rank: int, seconds: float) -> dict[str, object]:

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kaisoku.bench import throughput
-from kaisoku.bench.engine import alternating_rounds, median_interval
-from kaisoku.bench.throughput import summarize
 from kaisoku.errors import ConfigError
+from kaisoku_bench import throughput
+from kaisoku_bench.engine import alternating_rounds, median_interval
+from kaisoku_bench.throughput import summarize
 
 
 def _coverage(n: int, k: int) -> float:

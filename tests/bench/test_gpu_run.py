@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kaisoku.bench import BENCHMARKS, CASES, RESULTS, main
-from kaisoku.bench.gpu import GPU_ROWS, LIMIT_S, GpuRow, could_not_record, gpu_folder, run_rows
+from kaisoku_bench import BENCHMARKS, CASES, RESULTS, main
+from kaisoku_bench.gpu import GPU_ROWS, LIMIT_S, GpuRow, could_not_record, gpu_folder, run_rows
 
 
 def test_every_gpu_row_is_a_benchmark_of_its_own_or_says_why_not() -> None:

@@ -11,8 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from kaisoku.bench.kfac import case_rows, seed_figures, time_goal
-from kaisoku.bench.kfac_runs import (
+from kaisoku.distributed.env import World
+from kaisoku.models.zoo import SmallCNN
+from kaisoku.optim.recipe import CPU_RECIPE
+from kaisoku.parts import UserParts
+from kaisoku.presets import get_preset
+from kaisoku_bench.kfac import case_rows, seed_figures, time_goal
+from kaisoku_bench.kfac_runs import (
     FAILED_SCORE,
     FULL_PLAN,
     METHODS,
@@ -24,8 +29,8 @@ from kaisoku.bench.kfac_runs import (
     unreached_score,
     vouched_inside,
 )
-from kaisoku.bench.largebatch import RECIPE, ablations, methods
-from kaisoku.bench.training import (
+from kaisoku_bench.largebatch import RECIPE, ablations, methods
+from kaisoku_bench.training import (
     EngineRun,
     bench_config,
     crossing,
@@ -34,11 +39,6 @@ from kaisoku.bench.training import (
     tune,
     tune_pair,
 )
-from kaisoku.distributed.env import World
-from kaisoku.models.zoo import SmallCNN
-from kaisoku.optim.recipe import CPU_RECIPE
-from kaisoku.parts import UserParts
-from kaisoku.presets import get_preset
 
 
 def test_tune_extends_the_grid_until_the_best_is_inside() -> None:

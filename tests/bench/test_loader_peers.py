@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import simplejpeg
 
-from kaisoku.bench import loader_peers
-from kaisoku.bench.loader import cpu_seconds
+from kaisoku_bench import loader_peers
+from kaisoku_bench.loader import cpu_seconds
 
 
 def _folder(root: Path) -> Path:

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kaisoku.bench import RESULTS, main, resolve_out
-from kaisoku.bench.common import (
+from kaisoku.errors import ConfigError
+from kaisoku_bench import RESULTS, main, resolve_out
+from kaisoku_bench.common import (
     checked_data_path,
     dirt,
     end_run,
@@ -21,10 +22,9 @@ from kaisoku.bench.common import (
     unmet_goals,
     write_result,
 )
-from kaisoku.bench.goals import ONE_MEASUREMENT, bootstrap_interval, paired_iqr, ratio_interval, worst_goal
-from kaisoku.bench.imagesets import data_root
-from kaisoku.bench.parallel_mnist import mnist_goals
-from kaisoku.errors import ConfigError
+from kaisoku_bench.goals import ONE_MEASUREMENT, bootstrap_interval, paired_iqr, ratio_interval, worst_goal
+from kaisoku_bench.imagesets import data_root
+from kaisoku_bench.parallel_mnist import mnist_goals
 from tests.bench.schema import RECORDED, check_record, fingerprint
 from tests.bench.test_quick_runs import GOALS
 

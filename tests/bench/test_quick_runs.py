@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kaisoku.bench import BENCHMARKS, main
-from kaisoku.bench.common import locate_mnist
 from kaisoku.testing.cluster import unavailable_reason
 from kaisoku.testing.sshfs import unavailable_reason as sshfs_unavailable_reason
+from kaisoku_bench import BENCHMARKS, main
+from kaisoku_bench.common import locate_mnist
 from tests.bench.schema import RECORDED, check_record, fingerprint
 
 #: Benchmarks whose quick run trains on MNIST and asserts on the rows it makes (the others record their MNIST

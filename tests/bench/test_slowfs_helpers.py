@@ -9,9 +9,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kaisoku.bench.plan import measure_cell
-from kaisoku.bench.slowfs import ThreadGrid, tune_threads
-from kaisoku.bench.slowfs_readers import (
+from kaisoku.data.datagen import generate
+from kaisoku.data.loading.dataset import ShardedDataset
+from kaisoku.data.node_cache.staging import CacheEvent
+from kaisoku.data.order.shuffle import ShuffleSpec
+from kaisoku.data.shards.writer import pack
+from kaisoku_bench.plan import measure_cell
+from kaisoku_bench.slowfs import ThreadGrid, tune_threads
+from kaisoku_bench.slowfs_readers import (
     CacheDirs,
     EncodedSize,
     cache_plan_reads,
@@ -19,7 +24,7 @@ from kaisoku.bench.slowfs_readers import (
     node_loader,
     read_files,
 )
-from kaisoku.bench.slowfs_rows import (
+from kaisoku_bench.slowfs_rows import (
     cache_runs,
     finish_group,
     kaisoku_row,
@@ -29,11 +34,6 @@ from kaisoku.bench.slowfs_rows import (
     rereads_goal,
     summary_b,
 )
-from kaisoku.data.datagen import generate
-from kaisoku.data.loading.dataset import ShardedDataset
-from kaisoku.data.node_cache.staging import CacheEvent
-from kaisoku.data.order.shuffle import ShuffleSpec
-from kaisoku.data.shards.writer import pack
 
 BASE = {"link": "1Gbit/s, RTT+2ms", "set": "64px (3.4 KiB/file, 1024 files)"}
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from kaisoku.bench.goals import goal, paired_gap_std, resolution, seeds_for_half_width
-from kaisoku.bench.precision import Task, _summarise
-from kaisoku.bench.vit import run_events, switch_goals, train_seconds_to
+from kaisoku_bench.goals import goal, paired_gap_std, resolution, seeds_for_half_width
+from kaisoku_bench.precision import Task, _summarise
+from kaisoku_bench.vit import run_events, switch_goals, train_seconds_to
 
 
 def _vit_runs(dp: list[float], switch: list[float], seconds: float | None = 300.0) -> list[dict[str, Any]]:

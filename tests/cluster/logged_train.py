@@ -6,7 +6,7 @@ Each rank appends ``{"attempt", "rank", "epoch", "step", "ids"}`` lines to
 trainer asks for it, so the lines are the batches trained (and at most the one in flight at a kill).
 
 ``--hold-below RANKS:STEPS`` (before the train arguments) holds a world with fewer than RANKS ranks after
-its first STEPS steps, as in ``kaisoku bench cluster`` (:func:`kaisoku.bench.cluster_rank.hold_smaller_world`):
+its first STEPS steps, as in ``kaisoku bench cluster`` (:func:`kaisoku_bench.cluster_rank.hold_smaller_world`):
 a run that lost a host stays at work until the host comes back, however fast the steps are.
 """
 
@@ -18,13 +18,13 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from kaisoku.bench.cluster_rank import hold_smaller_world, split_hold
 from kaisoku.cli import resolve_config
 from kaisoku.data.order.sampler import EpochSampler
 from kaisoku.distributed.env import inside_torchrun, world_from_env
 from kaisoku.engine import failures
 from kaisoku.engine.run import run_training, train_on_local_ranks
 from kaisoku.engine.trainer import Trainer
+from kaisoku_bench.cluster_rank import hold_smaller_world, split_hold
 
 
 class _LoggingSampler(EpochSampler):

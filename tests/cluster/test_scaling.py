@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kaisoku.bench import cluster_scaling as scaling
 from kaisoku.testing.cluster import unavailable_reason
 from kaisoku.testing.sshfs import unavailable_reason as sshfs_unavailable_reason
+from kaisoku_bench import cluster_scaling as scaling
 
 REASON = unavailable_reason() or sshfs_unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")

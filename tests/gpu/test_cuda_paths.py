@@ -184,7 +184,7 @@ def test_cosmoflow_trains_on_cuda(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", ["LARS", "LAMB"])
 def test_eager_layerwise_step_launches_no_kernel_per_tensor(name: str) -> None:
     import kaisoku.optim as optim
-    from kaisoku.bench.optim import cuda_kernels_per_step
+    from kaisoku_bench.optim import cuda_kernels_per_step
 
     device = torch.device("cuda")
     generator = torch.Generator().manual_seed(0)

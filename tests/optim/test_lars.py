@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from kaisoku.bench.optim import ReferenceLARS
 from kaisoku.optim import LAMB, LARS
 from kaisoku.optim.schedules import WarmupSchedule, schedule_factor
+from kaisoku_bench.optim import ReferenceLARS
 
 
 def small_model(seed: int = 0) -> nn.Module:
@@ -313,7 +313,7 @@ def test_lamb_matches_per_parameter_reference() -> None:
 
 
 def test_cpu_step_is_a_few_batched_calls_without_host_syncs() -> None:
-    from kaisoku.bench.optim import profile_step
+    from kaisoku_bench.optim import profile_step
 
     torch.manual_seed(0)
     layers = [nn.Linear(8, 8) for _ in range(40)]

@@ -1,0 +1,594 @@
+"""``kaisoku bench loader``: warm local data against peer loaders and the decode limit; the index's scale.
+
+Rows: the ``ShardLoader`` ``kaisoku train`` builds (its batch path, the default), the same loader sample by
+sample (``data.loader threads``, with the pixel difference between the two), its crop-aware decoding on the
+ImageNet-like set, the peers of :mod:`kaisoku_bench.loader_peers`, and the single-thread decode limit times
+the cores, over the sets of :mod:`kaisoku_bench.imagesets` (decode + flip, and random-resized-crop + flip),
+interleaved, the first epoch reported apart. The index part is
+:mod:`kaisoku_bench.loader_index`. Setup, goals and limits: ``benchmarks/README.md``, section loader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kaisoku.config import Config
+from kaisoku.data.loading.batch_augment import decode_batch_into
+from kaisoku.data.loading.dataset import ImageLabelTransform, ShardedDataset
+from kaisoku.data.loading.gpu_decode import decode_on_device, encode_batch
+from kaisoku.data.loading.loader import ShardLoader
+from kaisoku.data.loading.transforms import (
+    AugmentSpec,
+    augment,
+    augment_into,
+    crop_decode_into,
+    decode_image,
+    resizer,
+)
+from kaisoku.distributed.env import World
+from kaisoku.engine.data_build import shard_loader
+from kaisoku.run_facts import plan_run
+from kaisoku_bench import loader_peers
+from kaisoku_bench.common import goal, interleaved, median_iqr, record_and_show
+from kaisoku_bench.goals import paired_ratios
+from kaisoku_bench.imagesets import (
+    BATCH,
+    SEED,
+    WORKERS,
+    ImageSet,
+    data_root,
+    epoch_of,
+    flip_transform,
+    image_set,
+    log,
+    photo_set,
+    production_loader,
+)
+from kaisoku_bench.loader_index import index_part
+
+NAME = "loader"
+
+
+# -------------------------------------------------------------------------------------------------- part (a)
+
+
+def limit_rate(blobs: list[bytes], transform: ImageLabelTransform, cores: int, epoch: int) -> float:
+    """The physical limit: single-thread, in-process decode + augment samples/s over in-memory bytes, times
+    ``cores`` (kaisoku's exact per-sample work: :func:`decode_image` then :func:`augment`)."""
+    start = time.perf_counter()
+    for index, data in enumerate(blobs):
+        image = decode_image(data)
+        augment(image, transform.spec, seed=transform.seed, epoch=epoch, index=index)
+    return cores * len(blobs) / (time.perf_counter() - start)
+
+
+@dataclass
+class _RowRecord:
+    name: str
+    decoder: str
+    samples: list[int]
+    shape: str = ""
+    cpu_us: list[float] = field(default_factory=list)
+
+
+def _live_children_cpu() -> float:
+    """CPU seconds (user + system) of this process's running children (persistent DataLoader workers, which
+    ``RUSAGE_CHILDREN`` counts only once they are waited for), from ``/proc/PID/stat``."""
+    me, total = os.getpid(), 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as handle:
+                stat = handle.read()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()  # the name (field 2) may hold spaces: count after it
+        if int(fields[1]) == me:  # ppid; utime and stime are fields 14 and 15 of stat(5)
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of its children, running or finished, user + system."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + _live_children_cpu()
+
+
+def _time_epoch(batches: Any, record: _RowRecord, size: int) -> float:
+    """Iterate one epoch; return samples/s; record CPU per sample (persistent DataLoader workers' included);
+    check what it yields."""
+    cpu_start = cpu_seconds()
+    start = time.perf_counter()
+    count = 0
+    for images, labels in batches:
+        if not record.shape:
+            if images.dtype != torch.uint8 or tuple(images.shape[1:]) != (3, size, size):
+                raise RuntimeError(f"{record.name} yields {images.dtype} {tuple(images.shape)}")
+            if labels.dtype != torch.int64:
+                raise RuntimeError(f"{record.name} yields labels of {labels.dtype}")
+            record.shape = f"uint8{list(images.shape)} + int64[{labels.shape[0]}]"
+        count += int(labels.shape[0])
+    seconds = time.perf_counter() - start
+    record.samples.append(count)
+    record.cpu_us.append((cpu_seconds() - cpu_start) / count * 1e6)
+    return count / seconds
+
+
+@dataclass(frozen=True)
+class RowSet:
+    """One image set's rows: the set, the augmentation every row performs, interleaved rounds."""
+
+    images: ImageSet
+    crop: bool
+    """True: random-resized-crop to the output size + flip (the ImageNet-like row); False: decode + flip."""
+    rounds: int
+    ffcv: bool = True
+    """Run FFCV's row (``--quick`` does not: its first epoch compiles for half a minute)."""
+    crop_decode_row: bool = False
+    """Add kaisoku's crop-decoding row (DCT-scaled decoding pays only where images exceed the output)."""
+
+    @property
+    def name(self) -> str:
+        """The set's name in rows and summary keys: the image set's, ``-rrc`` added for a random-resized-crop
+        row set over small images (the ImageNet-like set always crops)."""
+        small_crop = self.crop and self.images.name != "imagenet-like"
+        return self.images.name + ("-rrc" if small_crop else "")
+
+    @property
+    def transform(self) -> ImageLabelTransform:
+        """kaisoku's transform for the set's work (the one ``kaisoku train`` builds for a crop)."""
+        if self.crop:
+            return ImageLabelTransform(spec=AugmentSpec(size=self.images.size, train=True), seed=SEED)
+        return flip_transform(self.images.size)
+
+
+def _steady(values: Sequence[float]) -> float:
+    """The steady-state figure: the median after the first epoch (which pays start-up and compilation)."""
+    return median_iqr(values[1:] if len(values) > 1 else values)[0]
+
+
+def part_a(row_sets: Sequence[RowSet], peer_dir: Path, *, warm_up: bool = True) -> tuple[list, dict, list]:
+    """Rows, summary entries and notes of part (a); ``warm_up`` reads every row's files into the page cache."""
+    rows: list[dict[str, Any]] = []
+    summary: dict[str, dict[str, Any]] = {}
+    notes: list[str] = []
+    for row_set in row_sets:
+        name = row_set.name
+        set_rows, steady, rounds = _part_a_set(row_set, peer_dir, warm_up)
+        rows += set_rows
+
+        def over(row: str, other: str | None, rounds: dict[str, list[float]] = rounds) -> list[float] | None:
+            """``row``'s samples/s over ``other``'s, round by round (interleaved: paired), first epoch off."""
+            return paired_ratios(rounds[row], rounds[other]) if row in rounds and other in rounds else None
+
+        peers = {n: v for n, v in steady.items() if n in loader_peers.PEERS}
+        best = max(peers, key=peers.__getitem__) if peers else None
+        missing = "; ".join(f"{r['row']}: {r['skipped']}" for r in set_rows if "skipped" in r)
+        no_peer = f"no peer could run ({missing})"
+        kaisoku = steady["kaisoku"]
+        ffcv_missing = next((r["skipped"] for r in set_rows if r["row"] == "ffcv" and "skipped" in r), "")
+        summary[f"kaisoku_vs_ffcv_{name}"] = goal(
+            kaisoku / steady["ffcv"] if "ffcv" in steady else None,
+            ">= 1.3" if name == "imagenet-like" else ">= 1.0",
+            samples=over("kaisoku", "ffcv"),
+            unit="rounds",
+            reason=ffcv_missing,
+            ffcv_first_epoch=next(
+                (r.get("first_epoch_samples_per_s") for r in set_rows if r["row"] == "ffcv"), None
+            ),
+        )
+        # No JIT or other warm-up to pay: the first epoch against each steady round (the spread is the
+        # steady rounds'; the first epoch is one measurement per run).
+        first = next(r.get("first_epoch_samples_per_s") for r in set_rows if r["row"] == "kaisoku")
+        summary[f"kaisoku_first_epoch_vs_steady_{name}"] = goal(
+            first / kaisoku if first else None,
+            ">= 0.9",
+            samples=[first / value for value in rounds["kaisoku"]] if first else None,
+            unit="steady rounds",
+            reason="" if first else "the first epoch was not timed",
+        )
+        per_sample = next(r for r in set_rows if r["row"] == "kaisoku-per-sample")
+        summary[f"kaisoku_batch_vs_per_sample_{name}"] = goal(
+            kaisoku / steady["kaisoku-per-sample"],
+            ">= 1.0",
+            samples=over("kaisoku", "kaisoku-per-sample"),
+            unit="rounds",
+            pixel_max_abs_diff=per_sample.get("pixel_max_abs_diff_vs_batch"),
+            pixel_mean_abs_diff=per_sample.get("pixel_mean_abs_diff_vs_batch"),
+            resizer=resizer(),
+        )
+        if row_set.crop_decode_row:
+            summary[f"kaisoku_exact_vs_full_decode_limit_{name}"] = goal(
+                kaisoku / steady["limit"], ">= 0.95", samples=over("kaisoku", "limit"), unit="rounds"
+            )
+            crop_row = next(r for r in set_rows if r["row"] == "kaisoku-crop-decode")
+            summary[f"kaisoku_crop_decode_vs_exact_{name}"] = goal(
+                steady["kaisoku-crop-decode"] / kaisoku,
+                ">= 1.3",
+                samples=over("kaisoku-crop-decode", "kaisoku"),
+                unit="rounds",
+                pixel_mean_abs_diff=crop_row.get("pixel_mean_abs_diff"),
+            )
+            summary[f"kaisoku_crop_decode_vs_best_peer_{name}"] = goal(
+                steady["kaisoku-crop-decode"] / peers[best] if best else None,
+                ">= 1.3",
+                samples=over("kaisoku-crop-decode", best),
+                unit="rounds",
+                reason="" if best else no_peer,
+                best_peer=best,
+                pixel_mean_abs_diff=crop_row.get("pixel_mean_abs_diff"),
+            )
+        else:
+            summary[f"kaisoku_vs_limit_{name}"] = goal(
+                kaisoku / steady["limit"], ">= 0.9", samples=over("kaisoku", "limit"), unit="rounds"
+            )
+        gpu_row = next((r for r in set_rows if r["row"] == "kaisoku-gpu-decode"), None)
+        host_row = next(r for r in set_rows if r["row"] == "kaisoku")
+        summary[f"gpu_decode_vs_host_{name}"] = goal(
+            steady["kaisoku-gpu-decode"] / kaisoku if "kaisoku-gpu-decode" in steady else None,
+            ">= 1.0",
+            samples=over("kaisoku-gpu-decode", "kaisoku"),
+            unit="rounds",
+            reason="" if gpu_row is not None and "skipped" not in gpu_row else "no CUDA device",
+            host_cpu_us_per_sample=(gpu_row or {}).get("cpu_us_per_sample"),
+            host_path_cpu_us_per_sample=host_row.get("cpu_us_per_sample"),
+            pixel_max_abs_diff=(gpu_row or {}).get("pixel_max_abs_diff_vs_host"),
+            pixel_mean_abs_diff=(gpu_row or {}).get("pixel_mean_abs_diff_vs_host"),
+        )
+        simplejpeg_peer = steady.get("imagefolder-simplejpeg")
+        summary[f"kaisoku_vs_imagefolder_simplejpeg_{name}"] = goal(
+            kaisoku / simplejpeg_peer if simplejpeg_peer else None,
+            ">= 1.25",
+            samples=over("kaisoku", "imagefolder-simplejpeg"),
+            unit="rounds",
+            reason="" if simplejpeg_peer else f"imagefolder-simplejpeg could not run ({missing})",
+        )
+        summary[f"kaisoku_vs_best_peer_{name}"] = goal(
+            kaisoku / peers[best] if best else None,
+            ">= 1.5",
+            samples=over("kaisoku", best),
+            unit="rounds",
+            reason="" if best else no_peer,
+            best_peer=best,
+            peers_measured=sorted(peers),
+        )
+        if best:
+            notes.append(f"{name}: best peer {best} at {peers[best]:.0f} samples/s (steady state)")
+    return rows, summary, notes
+
+
+def _read_tree(roots: Sequence[Path]) -> int:
+    """Read every file under ``roots`` once (into the page cache); return the bytes read."""
+    total = 0
+    for root in roots:
+        for path in sorted(Path(root).rglob("*")) if Path(root).is_dir() else [Path(root)]:
+            if path.is_file():
+                with open(path, "rb", buffering=0) as handle:
+                    while chunk := handle.read(8 << 20):
+                        total += len(chunk)
+    return total
+
+
+def _crop_pixel_diff(image_set: ImageSet, transform: ImageLabelTransform, count: int = 200) -> float:
+    """Mean absolute pixel difference of crop-aware decoding against the exact decode, same crops."""
+    diffs = []
+    for index, (path, _) in enumerate(image_set.shuffled_files()[:count]):
+        data = loader_peers.read_bytes(path)
+        exact = augment(decode_image(data), transform.spec, seed=transform.seed, epoch=1, index=index)
+        fast = np.empty_like(exact)
+        crop_decode_into(data, transform.spec, seed=transform.seed, epoch=1, index=index, out=fast)
+        diffs.append(float(np.abs(exact.astype(np.int16) - fast.astype(np.int16)).mean()))
+    return float(np.mean(diffs))
+
+
+def batch_pixel_diff(
+    image_set: ImageSet, transform: ImageLabelTransform, count: int = 256
+) -> tuple[int, float]:
+    """Largest and mean absolute pixel difference of the batch path (one batch of ``count`` samples) against
+    the per-sample path, same keys (so the same crop boxes and flips)."""
+    blobs = [loader_peers.read_bytes(path) for path, _ in image_set.shuffled_files()[:count]]
+    spec = transform.spec
+    batch = np.empty((len(blobs), 3, spec.size, spec.size), dtype=np.uint8)
+    decode_batch_into(blobs, spec, seed=transform.seed, epoch=1, indices=np.arange(len(blobs)), out=batch)
+    reference = np.empty_like(batch)
+    for index, data in enumerate(blobs):
+        augment_into(
+            decode_image(data), spec, seed=transform.seed, epoch=1, index=index, out=reference[index]
+        )
+    diff = np.abs(batch.astype(np.int16) - reference.astype(np.int16))
+    return int(diff.max()), float(diff.mean())
+
+
+def gpu_pixel_diff(
+    image_set: ImageSet, transform: ImageLabelTransform, count: int = 256
+) -> tuple[int, float]:
+    """Largest and mean absolute pixel difference of decoding on the CUDA device (one batch of ``count``
+    samples) against the host batch path, same keys (so the same crop boxes and flips)."""
+    blobs = [loader_peers.read_bytes(path) for path, _ in image_set.shuffled_files()[:count]]
+    spec, indices = transform.spec, np.arange(len(blobs))
+    host = np.empty((len(blobs), 3, spec.size, spec.size), dtype=np.uint8)
+    decode_batch_into(blobs, spec, seed=transform.seed, epoch=1, indices=indices, out=host)
+    encoded = encode_batch(blobs, spec, seed=transform.seed, epoch=1, indices=indices)
+    device = decode_on_device(encoded, torch.device("cuda")).cpu().numpy()
+    diff = np.abs(device.astype(np.int16) - host.astype(np.int16))
+    return int(diff.max()), float(diff.mean())
+
+
+def gpu_decode_loader(pack_dir: Path, transform: ImageLabelTransform) -> ShardLoader:
+    """The :class:`ShardLoader` ``kaisoku train --data.decode gpu`` builds on a CUDA device (as
+    :func:`~kaisoku_bench.imagesets.production_loader` for the host path)."""
+    cfg = Config()
+    cfg.data.path = str(pack_dir)
+    cfg.data.global_batch = BATCH
+    cfg.data.workers = WORKERS
+    cfg.data.decode = "gpu"
+    cfg.train.seed = SEED
+    cfg.train.epochs = 10**6
+    dataset = ShardedDataset(pack_dir, transform=transform, decode_images=False)
+    return shard_loader(plan_run(cfg, 1), World(), torch.device("cuda"), dataset)
+
+
+def _on_cuda(loader: ShardLoader) -> Any:
+    """``loader``'s batches decoded on the CUDA device as the trainer moves them; the device synchronised at
+    the end, so that the epoch's time holds every decode."""
+    for images, labels in loader:
+        yield images.to("cuda", non_blocking=True), labels
+    torch.cuda.synchronize()
+
+
+def _peer_builders(row_set: RowSet, peer_dir: Path) -> dict[str, Callable[[], loader_peers.PeerLoader]]:
+    images, crop = row_set.images, row_set.images.size if row_set.crop else 0
+    files = images.shuffled_files()
+    stem = images.folder.parent.name
+    builders: dict[str, Callable[[], loader_peers.PeerLoader]] = {
+        "imagefolder-pil": lambda: loader_peers.imagefolder(
+            images.folder, decoder="pil", batch=BATCH, workers=WORKERS, crop=crop
+        ),
+        "imagefolder-simplejpeg": lambda: loader_peers.imagefolder(
+            images.folder, decoder="simplejpeg", batch=BATCH, workers=WORKERS, crop=crop
+        ),
+        "litdata": lambda: loader_peers.litdata(
+            files,
+            loader_peers.format_folder(peer_dir, stem, "litdata"),
+            batch=BATCH,
+            workers=WORKERS,
+            crop=crop,
+        ),
+    }
+    if not crop:  # these two peers do decode + flip only
+        builders["webdataset"] = lambda: loader_peers.webdataset(
+            files, loader_peers.format_folder(peer_dir, stem, "webdataset"), batch=BATCH, workers=WORKERS
+        )
+        builders["mds"] = lambda: loader_peers.mds(
+            files, loader_peers.format_folder(peer_dir, stem, "mds"), batch=BATCH, workers=WORKERS
+        )
+    return builders
+
+
+def _part_a_set(
+    row_set: RowSet, peer_dir: Path, warm_up: bool
+) -> tuple[list[dict], dict[str, float], dict[str, list[float]]]:
+    """The rows of one image set, each row's steady-state samples/s, and its samples/s per round after
+    the first epoch."""
+    image_set = row_set.images
+    size = image_set.size
+    cores = len(os.sched_getaffinity(0))
+    records: dict[str, _RowRecord] = {}
+    runs: dict[str, Callable[[], float]] = {}
+    rows: list[dict[str, Any]] = []
+    epochs = iter(range(1, 10**6))
+    transform = row_set.transform
+    kaisoku_rows = {
+        "kaisoku": production_loader(image_set.pack_dir, transform),  # data.loader batch, the default
+        "kaisoku-per-sample": production_loader(image_set.pack_dir, transform, batch_path="threads"),
+    }
+    if row_set.crop_decode_row:
+        crop_transform = dataclasses.replace(transform, crop_decode=True)
+        kaisoku_rows["kaisoku-crop-decode"] = production_loader(
+            image_set.pack_dir, crop_transform, crop_decode=True
+        )
+    if torch.cuda.is_available():  # data.decode gpu: the same set decoded on the device
+        gpu_loader = gpu_decode_loader(image_set.pack_dir, transform)
+        records["kaisoku-gpu-decode"] = _RowRecord("kaisoku-gpu-decode", "nvJPEG (torchvision, batched)", [])
+        runs["kaisoku-gpu-decode"] = lambda: _time_epoch(
+            _on_cuda(epoch_of(gpu_loader, next(epochs))), records["kaisoku-gpu-decode"], size
+        )
+        kaisoku_rows["kaisoku-gpu-decode"] = gpu_loader
+    else:
+        rows.append(
+            {"part": "a", "size": row_set.name, "row": "kaisoku-gpu-decode", "skipped": "no CUDA device"}
+        )
+    for name, loader in kaisoku_rows.items():
+        if name == "kaisoku-gpu-decode":
+            continue
+        decoder = "simplejpeg" + (" (DCT-scaled)" if "crop" in name else "")
+        if name != "kaisoku-per-sample":
+            decoder += f" + {resizer()} resizer (batch path)"
+        records[name] = _RowRecord(name, decoder, [])
+        runs[name] = lambda n=name, ld=loader: _time_epoch(epoch_of(ld, next(epochs)), records[n], size)
+    peers: list[loader_peers.PeerLoader] = []
+    for name, build in _peer_builders(row_set, peer_dir).items():
+        try:
+            start = time.perf_counter()
+            peer = build()
+            log(f"{name} ready for {image_set.name} in {time.perf_counter() - start:.1f} s")
+        except loader_peers.PeerMissing as missing:
+            rows.append({"part": "a", "size": row_set.name, "row": name, "skipped": str(missing)})
+            continue
+        peers.append(peer)
+        records[name] = _RowRecord(name, peer.decoder, [])
+        runs[name] = lambda p=peer: _time_epoch(p.make(), records[p.name], size)
+    try:
+        if not row_set.ffcv:
+            raise loader_peers.PeerMissing("not run with --quick (its first epoch compiles for ~30 s)")
+        ffcv = loader_peers.FFCVRow(
+            image_set.shuffled_files(),
+            loader_peers.format_folder(peer_dir, image_set.folder.parent.name, "ffcv"),
+            batch=BATCH,
+            workers=WORKERS,
+            crop=size if row_set.crop else 0,
+        )
+    except loader_peers.PeerMissing as missing:
+        rows.append({"part": "a", "size": row_set.name, "row": "ffcv", "skipped": str(missing)})
+    else:
+        records["ffcv"] = _RowRecord("ffcv", "libjpeg-turbo (FFCV, re-encoded q90)", [])
+
+        def ffcv_epoch() -> float:
+            samples, seconds, cpu = ffcv.epoch()
+            records["ffcv"].samples.append(samples)
+            records["ffcv"].cpu_us.append(cpu / samples * 1e6)
+            records["ffcv"].shape = f"uint8[{BATCH},3,{size},{size}] (ToTorchImage)"
+            return samples / seconds
+
+        runs["ffcv"] = ffcv_epoch
+        peers.append(loader_peers.PeerLoader("ffcv", "ffcv", lambda: [], close=ffcv.close))
+    blobs = [loader_peers.read_bytes(path) for path, _ in image_set.shuffled_files()]
+    blobs = blobs[: max(256, len(blobs) // 4)]  # a quarter of the set: the limit is a rate
+    records["limit"] = _RowRecord("limit", "simplejpeg", [])
+
+    def limit() -> float:
+        records["limit"].samples.append(len(blobs))
+        records["limit"].shape = f"uint8[3,{size},{size}] arrays, 1 thread x {cores} cores"
+        cpu_start = cpu_seconds()
+        rate = limit_rate(blobs, transform, cores, next(epochs))
+        records["limit"].cpu_us.append((cpu_seconds() - cpu_start) / len(blobs) * 1e6)
+        return rate
+
+    runs["limit"] = limit
+    if warm_up:  # every row reads warm data: bring all of its files into the page cache first
+        stem = image_set.folder.parent.name
+        _read_tree([image_set.folder, image_set.pack_dir, *peer_dir.glob(f"{stem}-*")])
+    for record in records.values():
+        record.samples.clear()
+        record.cpu_us.clear()
+    log(f"part (a) {row_set.name}: {len(runs)} rows x {row_set.rounds} interleaved epochs")
+    results = interleaved(runs, row_set.rounds)
+    for peer in peers:
+        peer.close()
+    for loader in kaisoku_rows.values():
+        loader.close()
+    steady = {name: _steady(values) for name, values in results.items()}
+    limit_cpu = statistics.median(records["limit"].cpu_us)
+    for name, values in results.items():
+        _, iqr = median_iqr(values[1:] if len(values) > 1 else values)
+        cpu_us = statistics.median(records[name].cpu_us)
+        row: dict[str, Any] = {
+            "part": "a",
+            "size": row_set.name,
+            "row": name,
+            "decoder": records[name].decoder,
+            "yields": records[name].shape,
+            "samples_per_epoch": int(statistics.median(records[name].samples)),
+            "samples_per_s": round(steady[name], 1),
+            "first_epoch_samples_per_s": round(values[0], 1),
+            "iqr": round(iqr, 1),
+            "runs": [round(v, 1) for v in values],
+            "vs_limit": round(steady[name] / steady["limit"], 3),
+            "cpu_us_per_sample": round(cpu_us, 1),
+            "cpu_vs_limit": round(limit_cpu / cpu_us, 3),
+        }
+        if name == "kaisoku-crop-decode":
+            row["pixel_mean_abs_diff"] = round(_crop_pixel_diff(image_set, transform), 3)
+        if name == "kaisoku-gpu-decode":
+            largest, mean = gpu_pixel_diff(image_set, transform)
+            row["pixel_max_abs_diff_vs_host"], row["pixel_mean_abs_diff_vs_host"] = largest, round(mean, 4)
+        if name == "kaisoku-per-sample":
+            largest, mean = batch_pixel_diff(image_set, transform)
+            row["pixel_max_abs_diff_vs_batch"], row["pixel_mean_abs_diff_vs_batch"] = largest, round(mean, 4)
+        rows.append(row)
+    return rows, steady, {name: values[1:] for name, values in results.items()}
+
+
+# -------------------------------------------------------------------------------------------------- part (b)
+
+
+# --------------------------------------------------------------------------------------------------- plot
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    a_rows = [r for r in rows if r["part"] == "a" and "samples_per_s" in r]
+    fig, ax = plt.subplots(1, 1, figsize=(7, 4.5))
+    sizes = list(dict.fromkeys(r["size"] for r in a_rows))
+    names = list(dict.fromkeys(r["row"] for r in a_rows))
+    width = 0.8 / max(1, len(sizes))
+    for k, size in enumerate(sizes):
+        values = [
+            next((r["samples_per_s"] for r in a_rows if r["size"] == size and r["row"] == n), 0)
+            for n in names
+        ]
+        ax.bar(np.arange(len(names)) + k * width, values, width, label=size)
+    ax.set_xticks(np.arange(len(names)) + width * (len(sizes) - 1) / 2, names, rotation=30, ha="right")
+    ax.set_ylabel("samples/s (median)")
+    ax.set_title("(a) warm local data, 2 workers, batch 256")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------------- run
+
+
+def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+    """Measure the warm-local-data rows and the index; write ``loader.json`` (and ``loader.png``) under
+    ``out_dir``."""
+    torch.set_num_threads(1)
+    root = data_root()
+    root.mkdir(parents=True, exist_ok=True)
+    if quick:
+        row_sets = [
+            RowSet(image_set(1024, 64, "1MiB"), crop=False, rounds=2, ffcv=False),
+            RowSet(image_set(1024, 64, "1MiB"), crop=True, rounds=2, ffcv=False),
+            RowSet(image_set(1024, 96, "2MiB"), crop=False, rounds=2, ffcv=False),
+            RowSet(photo_set(400), crop=True, rounds=2, ffcv=False, crop_decode_row=True),
+        ]
+    else:
+        row_sets = [
+            RowSet(image_set(20000, 64, "8MiB"), crop=False, rounds=5),
+            RowSet(image_set(20000, 64, "8MiB"), crop=True, rounds=5),
+            RowSet(image_set(20000, 160, "16MiB"), crop=False, rounds=4),
+            RowSet(image_set(20000, 160, "16MiB"), crop=True, rounds=4),
+            RowSet(photo_set(5000), crop=True, rounds=4, crop_decode_row=True),
+        ]
+    rows, summary, notes = part_a(row_sets, root / "peers", warm_up=not quick)
+    index_rows, index_summary = index_part(root, 1_000_000 if quick else 10_000_000, 1 if quick else 3)
+    rows += index_rows
+    summary.update(index_summary)
+    notes.append(
+        "samples/s is the steady state: the median of the interleaved epochs after each row's first, whose "
+        "rate is first_epoch_samples_per_s (start-up; kaisoku compiles nothing, so its first epoch runs at "
+        "speed apart from starting its threads). kaisoku's rows are the ShardLoader kaisoku train builds "
+        "(engine.data_build.shard_loader from a Config: global shuffle, batch 256, 2 decoding threads "
+        "writing into reused batch buffers). The limit is single-thread in-process decode + augment over "
+        "the bytes in memory, times the cores. On a machine shared with other jobs wall-clock rates "
+        "measure the CPU share each row gets; cpu_us_per_sample is recorded beside them."
+    )
+    return record_and_show(
+        NAME, out_dir, summary, rows, columns=_COLUMNS, quick=quick, notes=" | ".join(notes), plot=_plot
+    )
+
+
+_COLUMNS = {
+    "size": "size", "row": "row", "decoder": "decoder", "samples_per_s": "samples/s",
+    "first_epoch_samples_per_s": "1st epoch", "iqr": "IQR",
+    "vs_limit": "vs limit", "cpu_us_per_sample": "CPU us/sample", "cpu_vs_limit": "CPU vs limit",
+    "skipped": "skipped", "open_s": "open s", "private_bytes_per_record": "private B/record",
+}  # fmt: skip
