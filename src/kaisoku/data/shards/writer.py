@@ -23,7 +23,6 @@ so a directory with an index is always complete.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -34,13 +33,16 @@ from typing import Any
 import numpy as np
 
 from kaisoku.data.shards.codecs import get_codec
+from kaisoku.data.shards.destination import (
+    destination_failure,
+    prepare_destination,
+    remove_empty_folders,
+    remove_stale_shards,
+)
 from kaisoku.data.shards.format import (
-    INDEX_NAME,
-    SHARD_SUFFIX,
     Field,
     Index,
     ShardInfo,
-    split_dirs,
     write_shard,
 )
 from kaisoku.data.shards.records import RecordCodec, encode_rows
@@ -54,7 +56,6 @@ from kaisoku.data.shards.sources import (
 )
 from kaisoku.data.shards.tables import TABLES_NAME
 from kaisoku.errors import KaisokuError
-from kaisoku.fsutil import write_failure
 from kaisoku.units import parse_bytes
 
 DEFAULT_SHARD_BYTES = 64 * 1024**2
@@ -234,37 +235,6 @@ class _Progress:
             self._progress.console.print(message)
 
 
-def _is_ours(path: Path) -> bool:
-    return path.name == INDEX_NAME or (path.name.startswith("shard-") and path.name.endswith(SHARD_SUFFIX))
-
-
-def _prepare_destination(dst: Path, src: Path | None, overwrite: bool) -> None:
-    if src is not None:
-        src_resolved, dst_resolved = src.resolve(), dst.resolve()
-        if dst_resolved == src_resolved or src_resolved in dst_resolved.parents:
-            raise KaisokuError(
-                f"destination {dst} is inside the source {src}; pack to a directory outside it"
-            )
-    if dst.exists() and not dst.is_dir():
-        raise KaisokuError(f"destination {dst} exists and is not a directory")
-    if dst.is_dir() and any(dst.iterdir()):
-        if not overwrite:
-            raise KaisokuError(
-                f"destination {dst} is not empty; choose an empty or new directory, "
-                "or pass overwrite (--overwrite) to replace a previous pack"
-            )
-        # Remove the old indexes first: until the new index lands, the directory is not a dataset.
-        for directory in [dst, *split_dirs(dst)]:
-            (directory / INDEX_NAME).unlink(missing_ok=True)
-    dst.mkdir(parents=True, exist_ok=True)
-
-
-def _remove_stale_shards(directory: Path, keep: set[str]) -> None:
-    for path in directory.iterdir():
-        if path.is_file() and _is_ours(path) and path.name != INDEX_NAME and path.name not in keep:
-            path.unlink()
-
-
 def _finish(
     directory: Path,
     results: Iterable[_ShardResult],
@@ -292,7 +262,7 @@ def _finish(
     except BaseException:
         # The pool has finished (or cancelled) every task by now; leave no orphan shards behind.
         # Any shard file here belongs to this run or to a pack whose index is already gone.
-        _remove_stale_shards(directory, keep=set())
+        remove_stale_shards(directory, keep=set())
         raise
     if not shards:
         raise KaisokuError(f"nothing to pack into {directory}: every sample was skipped as unreadable")
@@ -311,10 +281,10 @@ def _finish(
         index = index.write(directory)
     except BaseException:
         # No index landed (a full disk, say): the shards and the tables are this pack's orphans.
-        _remove_stale_shards(directory, keep=set())
+        remove_stale_shards(directory, keep=set())
         (directory / TABLES_NAME).unlink(missing_ok=True)
         raise
-    _remove_stale_shards(directory, {shard.file for shard in shards})
+    remove_stale_shards(directory, {shard.file for shard in shards})
     return index
 
 
@@ -373,7 +343,7 @@ def pack_image_folder(
         "verify_images": verify_images,
     }
     tree = scan_image_tree(root)
-    _prepare_destination(directory, root, overwrite)
+    prepare_destination(directory, root, overwrite)
     if "" in tree.splits:
         return _pack_folder(root, directory, tree.classes, tree.splits[""], **options)
     return {
@@ -445,7 +415,7 @@ def pack_npz(
     path, root = Path(src), Path(dst)
     workers = _check_args(shard_bytes, codec, workers)
     splits = npz_splits(path)
-    _prepare_destination(root, None, overwrite)
+    prepare_destination(root, None, overwrite)
     indexes: dict[str, Index] = {}
     with np.load(path, allow_pickle=False) as archive:
         for split, (x_key, y_key) in splits.items():
@@ -505,7 +475,7 @@ def pack_records(
     """
     directory = Path(dst)
     _check_args(shard_bytes, codec, 0)
-    _prepare_destination(directory, None, overwrite)
+    prepare_destination(directory, None, overwrite)
     iterator = iter(samples)
     try:
         first = next(iterator)
@@ -616,30 +586,8 @@ def pack(
             source, dst, shard_bytes=shard_bytes, codec=codec, overwrite=overwrite, progress=progress
         )
     except OSError as error:  # a full, read-only or immutable destination: one line, not a traceback
-        failure = _destination_failure(error, Path(dst))
+        failure = destination_failure(error, Path(dst))
         if failure is None:
             raise
-        _remove_empty_folders(Path(dst), keep_root=existed)
+        remove_empty_folders(Path(dst), keep_root=existed)
         raise failure from None
-
-
-def _remove_empty_folders(dst: Path, *, keep_root: bool) -> None:
-    """Remove the folders a failed pack made and left empty (the split folders, ``dst`` where it made it)."""
-    if not dst.is_dir():
-        return
-    for folder in sorted((p for p in dst.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-        with contextlib.suppress(OSError):
-            folder.rmdir()  # only empty ones go
-    if not keep_root:
-        with contextlib.suppress(OSError):
-            dst.rmdir()
-
-
-def _destination_failure(error: OSError, dst: Path) -> KaisokuError | None:
-    """The one-line error of a write into ``dst`` refused for lack of space, a read-only file system, an
-    immutable folder or permissions; None for anything else (such as an unreadable source file)."""
-    if error.filename is not None:
-        target, failed = dst.absolute(), Path(os.fsdecode(error.filename)).absolute()
-        if failed != target and target not in failed.parents and failed not in target.parents:
-            return None  # neither the destination, a folder in it, nor one it is created in
-    return write_failure(error, dst, "the pack")
