@@ -239,6 +239,7 @@ def cmd_pack(argv: Sequence[str]) -> int:
         return _pack_upgrade([a for a in argv if a != "--upgrade"])
     # start-up: each command imports only what it runs
     from kaisoku.data.shards.codecs import available_codecs
+    from kaisoku.data.shards.recode import ImageRecode
     from kaisoku.data.shards.writer import pack
     from kaisoku.units import format_bytes, parse_bytes
 
@@ -282,6 +283,26 @@ def cmd_pack(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of that permutation")
     parser.add_argument(
+        "--jpeg-quality",
+        type=int,
+        default=0,
+        help="re-encode every image as a JPEG of this quality, 1-100 (0: keep the source's bytes, the default: "
+        "a second lossy encoding is yours to choose); FFCV's writer uses 90",
+    )
+    parser.add_argument(
+        "--jpeg-subsampling",
+        default="420",
+        choices=["444", "422", "420"],
+        help="chroma subsampling of re-encoded JPEGs (4:2:0 decodes fastest)",
+    )
+    parser.add_argument(
+        "--max-side",
+        type=int,
+        default=0,
+        help="re-encode images whose longer side exceeds this many pixels at that size (0: keep sizes); "
+        "with no --jpeg-quality the quality is 90",
+    )
+    parser.add_argument(
         "--upgrade",
         action="store_true",
         help="kaisoku pack --upgrade DIR: rewrite DIR's index as the current format version (shards stay)",
@@ -294,9 +315,18 @@ def cmd_pack(argv: Sequence[str]) -> int:
         from kaisoku.data.shards.delta import delta_codec_name
 
         args.codec = delta_codec_name(args.error_bound, args.error_mode)
+    recode = None
+    if args.jpeg_quality or args.max_side:
+        try:
+            recode = ImageRecode(
+                quality=args.jpeg_quality or 90, subsampling=args.jpeg_subsampling, max_side=args.max_side
+            )
+        except ValueError as error:
+            raise ConfigError(f"kaisoku pack: {error}") from None
     result = pack(
         args.src,
         args.dst,
+        recode=recode,
         shard_bytes=parse_bytes(args.shard_size),
         codec=args.codec,
         workers=args.workers or None,

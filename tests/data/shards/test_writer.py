@@ -311,3 +311,39 @@ def test_pack_into_a_full_read_only_or_immutable_destination_is_one_line(tmp_pat
         left = [p.name for p in dest.rglob("*")] if dest.exists() else []
         assert left == []  # no shard, temp file, index or empty split folder left behind
         assert dest.exists() == (kind != "full")  # a folder the pack made itself is gone too
+
+
+def test_pack_recodes_images_as_jpegs_of_the_quality_subsampling_and_size_asked(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``--jpeg-quality``, ``--jpeg-subsampling`` and ``--max-side`` re-encode every image (PNG and grayscale
+    sources included), recorded in the index; without them the source's bytes are stored as they are."""
+    from kaisoku.data.loading.dataset import ShardedDataset
+    from kaisoku.data.shards.format import read_index
+    from kaisoku.data.shards.records import RecordCodec
+    from tests.train_harness import kaisoku_in_process
+
+    files = make_image_folder(tmp_path / "src", per_class=3)
+    args = ["pack", str(tmp_path / "src"), str(tmp_path / "dst"), "--workers", "1", "--no-shuffle"]
+    result = kaisoku_in_process(
+        capfd, *args, "--jpeg-quality", "75", "--jpeg-subsampling", "420", "--max-side", "12"
+    )
+    assert result.returncode == 0, result.stderr
+    index = read_index(tmp_path / "dst")
+    assert index.pack["recode"] == {"quality": 75, "subsampling": "420", "max_side": 12}
+    dataset = ShardedDataset(tmp_path / "dst")
+    codec = RecordCodec(index.fields, index.codec)
+    sources = {len(data) for data in files.values()}
+    for i in range(len(dataset)):
+        data = codec.decode(dataset.record_bytes(i))["image"]
+        height, width, colorspace, subsampling = simplejpeg.decode_jpeg_header(bytes(data))
+        assert max(height, width) <= 12 and len(data) not in sources
+        assert (colorspace, subsampling) in (("YCbCr", "420"), ("Gray", "Gray"))
+
+    plain = kaisoku_in_process(
+        capfd, "pack", str(tmp_path / "src"), str(tmp_path / "plain"), "--workers", "1"
+    )
+    assert plain.returncode == 0 and "recode" not in read_index(tmp_path / "plain").pack
+    refused = kaisoku_in_process(capfd, *args[:2], str(tmp_path / "other"), "--jpeg-quality", "101")
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == "kaisoku: error: kaisoku pack: JPEG quality 101 is outside 1..100"

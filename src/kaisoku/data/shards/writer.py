@@ -45,6 +45,8 @@ from kaisoku.data.shards.format import (
     ShardInfo,
     write_shard,
 )
+from kaisoku.data.shards.pack_progress import PackProgress
+from kaisoku.data.shards.recode import ImageRecode
 from kaisoku.data.shards.records import RecordCodec, encode_rows
 from kaisoku.data.shards.sources import (
     array_fields,
@@ -120,6 +122,7 @@ class _FolderTask:
     codec: str
     verify_images: bool
     skip_corrupt: bool
+    recode: ImageRecode | None = None
 
 
 def _pack_folder_shard(task: _FolderTask) -> _ShardResult:
@@ -134,6 +137,8 @@ def _pack_folder_shard(task: _FolderTask) -> _ShardResult:
                 skipped.append(relative)
                 continue
             raise KaisokuError(problem)
+        if task.recode is not None:
+            data = task.recode(data)
         record, _ = encoder.encode({"image": data, "label": label})
         records.append(record)
         labels.append(label)
@@ -187,54 +192,6 @@ def _run_ordered(
         executor.shutdown(wait=True, cancel_futures=True)
 
 
-class _Progress:
-    """A rich progress bar over samples, or nothing."""
-
-    def __init__(self, enabled: bool, description: str, total: int | None) -> None:
-        self._progress = None
-        if enabled:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-                TimeRemainingColumn,
-            )
-
-            # No refresh thread (auto_refresh=False): the packing pool forks while the bar is live.
-            self._progress = Progress(
-                TextColumn("[bold]{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("samples"),
-                TimeElapsedColumn(),
-                TimeRemainingColumn(),
-                auto_refresh=False,
-            )
-            self._task = self._progress.add_task(description, total=total)
-
-    def __enter__(self) -> _Progress:
-        if self._progress is not None:
-            self._progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-
-    def advance(self, samples: int) -> None:
-        """Count ``samples`` more as packed."""
-        if self._progress is not None:
-            self._progress.advance(self._task, samples)
-            self._progress.refresh()
-
-    def log(self, message: str) -> None:
-        """Print a line above the bar (or nowhere when disabled)."""
-        if self._progress is not None:
-            self._progress.console.print(message)
-
-
 def _finish(
     directory: Path,
     results: Iterable[_ShardResult],
@@ -244,7 +201,7 @@ def _finish(
     classes: Sequence[str] | None,
     source: str,
     pack_args: Mapping[str, Any],
-    progress: _Progress,
+    progress: PackProgress,
 ) -> Index:
     shards: list[ShardInfo] = []
     columns = _int_columns(fields)
@@ -323,6 +280,7 @@ def pack_image_folder(
     seed: int = 0,
     skip_corrupt: bool = False,
     verify_images: bool = True,
+    recode: ImageRecode | None = None,
 ) -> Index | dict[str, Index]:
     """Pack the ImageFolder tree ``src`` into ``dst``; see :func:`pack` for the arguments.
 
@@ -341,6 +299,7 @@ def pack_image_folder(
         "seed": seed,
         "skip_corrupt": skip_corrupt,
         "verify_images": verify_images,
+        "recode": recode,
     }
     tree = scan_image_tree(root)
     prepare_destination(directory, root, overwrite)
@@ -366,6 +325,7 @@ def _pack_folder(
     seed: int,
     skip_corrupt: bool,
     verify_images: bool,
+    recode: ImageRecode | None,
 ) -> Index:
     directory.mkdir(parents=True, exist_ok=True)
     fields = (Field(name="image", kind="image"), Field(name="label", kind="int"))
@@ -383,10 +343,12 @@ def _pack_folder(
             codec=codec,
             verify_images=verify_images,
             skip_corrupt=skip_corrupt,
+            recode=recode,
         )
         for shard_id, (start, end) in enumerate(ranges)
     )
-    with _Progress(progress, f"pack {root.name}", len(items)) as bar:
+    recorded = {"recode": recode.record()} if recode is not None else {}
+    with PackProgress(progress, f"pack {root.name}", len(items)) as bar:
         return _finish(
             directory,
             _run_ordered(_pack_folder_shard, tasks, min(workers, len(ranges))),
@@ -394,7 +356,7 @@ def _pack_folder(
             codec=codec,
             classes=classes,
             source="imagefolder",
-            pack_args={"shard_bytes": shard_bytes, "shuffle": shuffle, "seed": seed},
+            pack_args={"shard_bytes": shard_bytes, "shuffle": shuffle, "seed": seed, **recorded},
             progress=bar,
         )
 
@@ -443,7 +405,7 @@ def pack_npz(
                 )
                 for shard_id, (start, end) in enumerate(ranges)
             )
-            with _Progress(progress, f"pack {path.name}:{split}", len(x)) as bar:
+            with PackProgress(progress, f"pack {path.name}:{split}", len(x)) as bar:
                 indexes[split] = _finish(
                     directory,
                     _run_ordered(_pack_array_shard, tasks, min(workers, len(ranges))),
@@ -501,7 +463,7 @@ def pack_records(
                 ints[name].append(int(sample[name]))
         yield _ShardResult(info=write_shard(directory, shard_id, records), columns=ints)
 
-    with _Progress(progress, f"pack {directory.name}", None) as bar:
+    with PackProgress(progress, f"pack {directory.name}", None) as bar:
         return _finish(
             directory,
             shard_results(),
@@ -532,8 +494,12 @@ def pack(
     seed: int = 0,
     skip_corrupt: bool = False,
     verify_images: bool = True,
+    recode: ImageRecode | None = None,
 ) -> Index | dict[str, Index]:
     """Pack ``source`` into shards and an index under ``dst``; the engine of ``kaisoku pack``.
+
+    ``recode``: re-encode an ImageFolder's images (JPEG quality, chroma subsampling, a cap on the longer
+    side), recorded in the index; None keeps the source's bytes.
 
     ``source``: an ImageFolder directory (-> one :class:`Index`; a tree of split folders such as
     train/val -> ``{split: Index}``, each in ``dst/<split>/``), a ``.npz`` with x_<split>/y_<split>
@@ -566,6 +532,7 @@ def pack(
                     seed=seed,
                     skip_corrupt=skip_corrupt,
                     verify_images=verify_images,
+                    recode=recode,
                 )
             if path.suffix == ".npz" and path.is_file():
                 return pack_npz(
