@@ -280,11 +280,26 @@ def die_with_launcher() -> None:
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     if not launcher:
         return
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    _on_parent_death(signal.SIGTERM)
     if os.getppid() != int(launcher):  # it died before the signal was set up
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def die_with_rank(worker_id: int = 0) -> None:
+    """A loader worker's ``worker_init_fn``: get SIGKILL when the rank that started it dies, however it dies
+    (a rank killed outright would otherwise leave its workers running, holding their memory). Workers hold
+    nothing to clean up; their shared memory goes with the rank's RAM tier."""
+    parent = os.getppid()
+    _on_parent_death(signal.SIGKILL)
+    if os.getppid() != parent:  # the rank died before the signal was set up
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _on_parent_death(signum: signal.Signals) -> None:
+    """Ask Linux to send ``signum`` to this process when its parent thread ends (``PR_SET_PDEATHSIG``)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
 
 
 def launch_local(

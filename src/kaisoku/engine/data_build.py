@@ -23,6 +23,7 @@ from kaisoku.data.loading.transforms import AugmentSpec, collate
 from kaisoku.data.order.sampler import EpochSampler, KeyedMicroBatches
 from kaisoku.data.shards.format import read_index
 from kaisoku.distributed import env
+from kaisoku.distributed.launch import die_with_rank
 from kaisoku.engine.trainer import TrainData
 from kaisoku.parts import UserParts
 from kaisoku.run_plan import RunPlan
@@ -131,6 +132,7 @@ def _loader(
         collate_fn=collate_fn,
         pin_memory=device.type == "cuda",
         persistent_workers=workers > 0,
+        worker_init_fn=die_with_rank if workers > 0 else None,
         prefetch_factor=4 if workers > 0 else None,
     )
 

@@ -36,6 +36,7 @@ from kaisoku.data.order.quality import shuffle_quality
 from kaisoku.data.order.sampler import EpochSampler, KeyedMicroBatches, StepKeys
 from kaisoku.data.order.shuffle import ShuffleSpec
 from kaisoku.data.shards.format import INDEX_NAME
+from kaisoku.distributed.launch import die_with_rank
 from kaisoku.errors import KaisokuError
 
 log = logging.getLogger(__name__)
@@ -297,6 +298,7 @@ class ShardLoader:
                 num_workers=self.workers,
                 collate_fn=collate,
                 pin_memory=self.pin_memory,
+                worker_init_fn=die_with_rank if self.workers > 0 else None,
                 prefetch_factor=4 if self.workers > 0 else None,
             )
         # Held here, not only by the loop: a loop's iterator goes as an exception leaves the loop, before the
