@@ -141,3 +141,29 @@ def test_kill_every_rank_during_sharded_save_then_resume_auto(
     names = sorted(p.name for p in checkpoints.iterdir() if p.name != "PAUSED")
     assert names == ["step-00000002", "step-00000004", "step-00000006"]
     _assert_final_equals(run_dir, straight, tmp_path)
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_to_a_sharded_run_writes_its_step_and_the_rerun_ends_bit_identical(
+    tmp_path: Path, tiny_data: Path, straight: Path
+) -> None:
+    """A time limit's SIGTERM under --parallel.shard full: every rank writes its shards of the step it stopped
+    at (exit 75), and --resume auto ends exactly as the uninterrupted run."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        train_args(tiny_data, run_dir, *SHARD, *STEPS),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=train_env(),
+    )  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    assert wait_for(lambda: metrics.exists() and metrics.read_text().count('"loss"') >= 1, 240)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 75, stderr[-3000:]
+    cause = stderr.strip().splitlines()[0]
+    step = int(cause.removeprefix("kaisoku: stopped by SIGTERM at step ").split(";")[0])
+    assert 1 <= step < 6 and cause.endswith(f"; checkpoint step {step} written"), cause
+    assert (run_dir / "checkpoints" / f"step-{step:08d}" / "checksums.json").is_file()
+    resumed = _train(tiny_data, run_dir, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / f'step-{step:08d}'} at step {step}" in resumed.stdout
+    _assert_final_equals(run_dir, straight, tmp_path)
