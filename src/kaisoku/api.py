@@ -49,14 +49,18 @@ def fit(
     data: Any = None,
     val_data: Any = None,
     loss: LossFn | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> dict[str, Any]:
     """Train ``model`` on ``data`` with every setting of ``config`` on the world this process is in.
 
     ``model``: an ``nn.Module``, or a factory called with the run's :class:`~kaisoku.parts.ModelSpec`
     (pipeline parallelism and the memory planner need its ordered blocks: an ``nn.Sequential`` or an
-    ``ordered_blocks()`` method). ``data`` / ``val_data``: map-style datasets of ``(input, target)`` pairs
-    (None: ``config``'s ``data.path`` or ``data.dataset``). ``loss``: ``loss(outputs, targets)``; None:
-    cross-entropy for integer targets, else mean squared error. Returns the run's summary (on every rank).
+    ``ordered_blocks()`` method). ``data`` / ``val_data``: map-style datasets of ``(input, target)`` pairs or
+    of dicts (the model then gets a batch as keyword arguments; the target is its ``labels`` entry) (None:
+    ``config``'s ``data.path`` or ``data.dataset``). ``loss``: ``loss(outputs, targets)``, ``targets`` the
+    whole batch for dict samples; None: the model's own loss where its output carries one, else the task's
+    (cross-entropy, per token for token targets, or mean squared error). ``collate_fn``: makes a batch of a
+    list of samples (None: torch's default). Returns the run's summary, the same on every rank.
 
     Under torchrun or srun every rank calls it; elsewhere it trains on this one process (see :func:`launch`
     for several local ranks). Settings that cannot work, and any known failure, print one line and exit with
@@ -66,7 +70,9 @@ def fit(
     world = world_from_env()
     try:
         validate(cfg)
-        parts = user_parts(cfg, UserParts(model=model, train_data=data, val_data=val_data, loss=loss))
+        parts = user_parts(
+            cfg, UserParts(model=model, train_data=data, val_data=val_data, loss=loss, collate=collate_fn)
+        )
         plan = plan_run(cfg, WorldShape(world.world_size, world.local_world_size), parts)  # refuse here
         return run_training(cfg, parts=parts, plan=plan)
     except KaisokuError as error:  # refused before training (a failure while training exits on its own)

@@ -44,7 +44,9 @@ class DataConfig:
     path: str = ""
     """Dataset: a packed dataset (kaisoku pack), or a folder of class sub-folders of images. Empty: kaisoku's generated demo set (or data.dataset)."""
     dataset: str = ""
-    """Your own map-style Dataset of (input, target) pairs, as package.module:name: a Dataset, a Dataset class, or a function returning one or a (train, val) pair."""
+    """Your own map-style Dataset of (input, target) pairs or dict samples, as package.module:name: a Dataset, a Dataset class, or a function returning one or a (train, val) pair."""
+    collate: str = ""
+    """Your own collate function for data.dataset, as package.module:name: called with a list of samples, it returns a batch ((inputs, targets), or a dict the model takes as keyword arguments); empty: torch's default collate."""
     cache_dir: str = "~/.cache/kaisoku"
     """Where the generated demo set is written on first use."""
     image_size: int = 24

@@ -58,6 +58,8 @@ class UserParts:
     train_data: Dataset | None = None
     val_data: Dataset | None = None
     loss: LossFn | None = None
+    collate: Callable[[list[Any]], Any] | None = None
+    """Makes a batch of a list of the dataset's samples (None: torch's default collate)."""
 
     def merged(self, other: UserParts) -> UserParts:
         """These parts, with ``other``'s filling what these leave out."""
@@ -66,6 +68,7 @@ class UserParts:
             train_data=self.train_data if self.train_data is not None else other.train_data,
             val_data=self.val_data if self.val_data is not None else other.val_data,
             loss=self.loss if self.loss is not None else other.loss,
+            collate=self.collate if self.collate is not None else other.collate,
         )
 
 
@@ -146,9 +149,15 @@ def _as_datasets(obj: Any, key: str) -> tuple[Dataset, Dataset | None]:
     return train, val
 
 
-def parts_from_config(model_name: str, dataset: str, loss: str) -> UserParts:
-    """The parts that ``model.name``, ``data.dataset`` and ``train.loss`` name by import path (others None)."""
+def parts_from_config(model_name: str, dataset: str, loss: str, collate: str = "") -> UserParts:
+    """The parts that ``model.name``, ``data.dataset``, ``train.loss`` and ``data.collate`` name by import path
+    (others None)."""
     parts = UserParts()
+    if collate:
+        fn = load_object(collate, "data.collate")
+        if not callable(fn):
+            raise ConfigError(f"data.collate: {collate} is a {type(fn).__name__}, not a callable")
+        parts.collate = fn
     if is_import_path(model_name):
         source = load_object(model_name, "model.name")
         if not (isinstance(source, nn.Module) or callable(source)):
@@ -190,3 +199,5 @@ def check_user_parts(parts: UserParts) -> None:
         _as_datasets((parts.train_data, parts.val_data), "data")
     if parts.loss is not None and not callable(parts.loss):
         raise ConfigError(f"loss: a {type(parts.loss).__name__} is not callable")
+    if parts.collate is not None and not callable(parts.collate):
+        raise ConfigError(f"collate_fn: a {type(parts.collate).__name__} is not callable")

@@ -223,3 +223,41 @@ def test_ranks_holding_other_data_are_refused_naming_the_rank(tmp_path: Path) ->
     assert "seed its randomness (kaisoku.launch seeds every rank alike" in cause
     assert hint == f"kaisoku: full logs in {tmp_path / 'run' / 'logs'}"
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def pad_tokens(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A user's collate: sequences of different lengths padded to the longest, labels padded with -100."""
+    longest = max(len(s["input_ids"]) for s in samples)
+
+    def padded(key: str, value: int) -> torch.Tensor:
+        return torch.stack(
+            [torch.cat([s[key], torch.full((longest - len(s[key]),), value)]) for s in samples]
+        )
+
+    return {"input_ids": padded("input_ids", 0), "labels": padded("labels", -100)}
+
+
+class Ragged(Dataset):
+    """NextToken's dict samples cut to keyed lengths (8 to LENGTH): a batch needs padding."""
+
+    def __init__(self, count: int, seed: int) -> None:
+        self.inner = NextToken(count, seed, as_dict=True)
+        self.lengths = torch.randint(8, LENGTH + 1, (count,), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        sample, length = self.inner[index], int(self.lengths[index])
+        return {"input_ids": sample["input_ids"][:length], "labels": sample["labels"][:length]}
+
+
+def test_a_collate_fn_pads_ragged_dict_samples_and_padding_is_left_out(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    summary = kaisoku.fit(
+        _config(tmp_path / "run"), model=TinyCausalLM(), data=Ragged(256, 0), val_data=Ragged(64, 1),
+        collate_fn=pad_tokens,
+    )  # fmt: skip
+    counted = int(sum(Ragged(64, 1).lengths - 1))  # the shifted labels that are not padding
+    assert summary["val_tokens"] == counted
+    assert summary["val_token_accuracy"] > 0.9

@@ -35,7 +35,7 @@ from kaisoku.engine.checkpoint import CheckpointManager
 from kaisoku.engine.checkpoint_resume import resume_trainer
 from kaisoku.engine.checksums import tensor_digest
 from kaisoku.engine.compile import compile_run, synthetic_batch
-from kaisoku.engine.data_build import DataParts, build_data, user_collate
+from kaisoku.engine.data_build import BatchPairs, DataParts, build_data
 from kaisoku.engine.divergence import NonFiniteGuard
 from kaisoku.engine.hybrid import HybridStep
 from kaisoku.engine.metrics import MetricsLogger
@@ -66,6 +66,7 @@ def user_parts(cfg: Config, parts: UserParts | None = None) -> UserParts:
             cfg.model.name if given.model is None else "",
             cfg.data.dataset if given.train_data is None else "",
             cfg.train.loss if given.loss is None else "auto",
+            cfg.data.collate if given.collate is None else "",
         )
     )
 
@@ -144,7 +145,7 @@ def example_batch(plan: RunPlan, device: torch.device, parts: UserParts) -> tupl
     if parts.train_data is not None:
         data = parts.train_data
         samples = [data[i % len(data)] for i in range(plan.micro_batch)]
-        inputs, targets = user_collate(samples)
+        inputs, targets = BatchPairs(parts.collate)(samples)
         moved = to_device(inputs, device)
         return moved, moved if targets is inputs else to_device(targets, device)
     shape = plan.memory_input_shape

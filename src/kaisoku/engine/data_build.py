@@ -4,7 +4,7 @@ loader, for a packed dataset, an image folder, the generated sets or the user's 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,11 +85,21 @@ class SampledLoader:
         """Nothing to release: the DataLoader's workers end with it."""
 
 
-def user_collate(samples: list[Any]) -> tuple[Any, Any]:
-    """torch's default collate, with floating tensors in torch's default dtype (a dataset of float64 numpy
-    arrays trains a float32 model), as the step's ``(inputs, targets)``: the two parts of ``(input, target)``
-    samples, or a dict batch twice (the model takes it as keyword arguments, a loss sees all of it)."""
-    batch = default_collate(samples)
+class BatchPairs:
+    """A user's samples as the step's ``(inputs, targets)``: collated by the user's ``collate`` (None: torch's
+    default collate), floating tensors in torch's default dtype (a dataset of float64 numpy arrays trains a
+    float32 model); the two parts of ``(input, target)`` batches, or a dict batch twice (the model takes it
+    as keyword arguments, a loss sees all of it)."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any] | None = None) -> None:
+        self.collate = collate
+
+    def __call__(self, samples: list[Any]) -> tuple[Any, Any]:
+        """One micro-batch of ``samples``."""
+        return _as_pair((self.collate or default_collate)(samples))
+
+
+def _as_pair(batch: Any) -> tuple[Any, Any]:
     dtype = torch.get_default_dtype()
 
     def cast(value: Any) -> Any:
@@ -176,8 +186,10 @@ def build_data(
         val_loader = None
         if parts.val_data is not None:
             val_sampler = ShardedEvalSampler(len(parts.val_data), **val_args)
-            val_loader = _loader(KeyedDataset(parts.val_data), val_sampler, workers, device, user_collate)
-        loader = _loader(train, KeyedMicroBatches(sampler), workers, device, user_collate)
+            val_loader = _loader(
+                KeyedDataset(parts.val_data), val_sampler, workers, device, BatchPairs(parts.collate)
+            )
+        loader = _loader(train, KeyedMicroBatches(sampler), workers, device, BatchPairs(parts.collate))
         return DataParts(train=SampledLoader(loader, sampler), val_loader=val_loader)
     root = dataset_root(cfg)
     train_spec = AugmentSpec(size=cfg.data.image_size, train=True, scale=(cfg.data.crop_scale_min, 1.0))
