@@ -100,7 +100,8 @@ def test_hsdp_matches_ddp_and_moves_to_two_ranks_pipeline_stages_and_back(
     assert hsdp["kind"] == "ShardedStep" and hsdp["summary"]["steps"] == 4
     at_two = tmp_path / "run-h" / "checkpoints" / "step-00000002"
     assert sorted(p.name for p in at_two.iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "trainer.pt"
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "checksums.json",
+        "trainer.pt",
     ]  # fmt: skip
     ddp = run_ranks(_train, 4, tmp_path / "d", tiny_data, tmp_path / "run-d", 0, "", SMALL, timeout=400)[0]
     assert ddp["kind"] == "DataParallelStep"
@@ -125,7 +126,8 @@ def test_hsdp_matches_ddp_and_moves_to_two_ranks_pipeline_stages_and_back(
     assert [p.name for p in checkpoints.iterdir()] == ["step-00000004"]
     at_four = checkpoints / "step-00000004"
     assert sorted(p.name for p in at_four.iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "trainer.pt"
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "checksums.json",
+        "trainer.pt",
     ]  # fmt: skip
     # Every file holds one stage's tensors (its shard of each), the two stages together the whole model.
     stages = {frozenset(names) for names in _model_keys_by_file(at_four).values()}
