@@ -337,6 +337,7 @@ def test_user_errors_are_config_errors(tmp_path: Path) -> None:
         main(["engine", "--quik"])
 
 
+@pytest.mark.slow  # a benchmark's quick path (kfac's runs its procedure without MNIST)
 @pytest.mark.parametrize("name", ["largebatch", "kfac"])
 def test_missing_mnist_keeps_every_goal_and_strict_fails(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
