@@ -7,6 +7,12 @@ The data is an in-memory ``datasets.Dataset`` of token ids that count up by a st
 
     pip install -e '.[hf]'
     python examples/hf_causal_lm.py [--run-dir DIR] [--nproc 2] [--shard full] [--precision bf16] [--kfac]
+
+The same parts by import path from the command line (run from this folder):
+
+    kaisoku train --model.name hf_causal_lm:tiny_gpt2 --data.dataset hf_causal_lm:data \
+        --train.metrics hf_causal_lm:next_token_accuracy --optim.name adamw --optim.lr 3e-3 \
+        --data.global-batch 32 --data.workers 0
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 import torch
 
@@ -34,6 +41,17 @@ def counting_dataset(count: int, seed: int) -> object:
     return datasets.Dataset.from_dict(table).with_format("torch")
 
 
+def data() -> tuple[object, object]:
+    """512 training and 128 validation sequences (``--data.dataset hf_causal_lm:data``)."""
+    return counting_dataset(512, 0), counting_dataset(128, 1)
+
+
+def next_token_accuracy(outputs: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A metric of the user's: the batch's accuracy at predicting each token from those before it."""
+    predicted = outputs.logits[:, :-1].argmax(-1)
+    return (predicted == batch["labels"][:, 1:]).float().mean()
+
+
 def tiny_gpt2() -> torch.nn.Module:
     """GPT-2 with 2 layers, 2 heads, width 64 (randomly initialised from its config)."""
     import transformers  # optional dependency: the hf extra
@@ -49,14 +67,14 @@ def main(args: argparse.Namespace) -> None:
     cfg.optim.name, cfg.optim.lr, cfg.sched.warmup_epochs = "adamw", 3e-3, 0.2
     cfg.parallel.shard, cfg.precision.mode, cfg.optim.kfac.enabled = args.shard, args.precision, args.kfac
     cfg.metrics.progress = False
-    summary = kaisoku.fit(
-        cfg, model=tiny_gpt2(), data=counting_dataset(512, 0), val_data=counting_dataset(128, 1)
-    )
+    train, val = data()
+    summary = kaisoku.fit(cfg, model=tiny_gpt2(), data=train, val_data=val, metrics=[next_token_accuracy])
     if int(os.environ.get("RANK", "0")) != 0:
         return
     print(
         f"hf causal lm: {summary['steps']} steps, token accuracy {summary['val_token_accuracy']:.1%}, "
-        f"perplexity {summary['val_perplexity']:.2f}",
+        f"perplexity {summary['val_perplexity']:.2f}, next-token accuracy (own metric) "
+        f"{summary['val_next_token_accuracy']:.1%}, {summary['tokens_per_s']:.0f} tokens/s",
         flush=True,
     )
 

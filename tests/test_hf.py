@@ -44,3 +44,56 @@ def test_a_hugging_face_causal_lm_trains_on_its_own_loss(
     assert found is not None, result.stdout[-2000:]
     assert int(found[1]) == steps
     assert float(found[2]) > least_accuracy, found[0]
+
+
+USER_FILES = ROOT / "tests" / "user_files"
+
+
+def _cli(run_dir: Path, *extra: str) -> list[str]:
+    """The example's parts through `kaisoku train`'s import paths, 2 ranks, one epoch of 16 steps."""
+    return [
+        sys.executable, "-m", "kaisoku", "train", "--nproc", "2", "--run-dir", str(run_dir),
+        "--model.name", "user_hf:tiny_gpt2", "--data.dataset", "user_hf:data",
+        "--train.metrics", "user_hf:next_token_accuracy",
+        "--optim.name", "adamw", "--optim.lr", "3e-3", "--data.global-batch", "32", "--data.workers", "0",
+        "--train.epochs", "1", "--checkpoint.every-steps", "4", "--train.log-every", "4",
+        "--metrics.progress", "false", *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+def test_a_hugging_face_model_by_import_path_resumes_bit_identically_after_a_kill(tmp_path: Path) -> None:
+    import torch
+
+    from kaisoku.engine.checkpoint import CheckpointManager
+    from tests.train_harness import kill_and_collect, train_env, wait_for
+
+    env = train_env()
+    whole = subprocess.run(
+        _cli(tmp_path / "whole"), cwd=USER_FILES, capture_output=True, text=True, timeout=280, env=env
+    )
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert "val_next_token_accuracy" in whole.stdout and "tokens_per_s" in whole.stdout, whole.stdout[-3000:]
+    held = tmp_path / "killed" / "checkpoints" / "step-00000008.pt"
+    proc = subprocess.Popen(
+        _cli(tmp_path / "killed"), cwd=USER_FILES, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**env, "USER_HF_HOLD_AT": str(held)},
+    )  # fmt: skip
+    assert wait_for(held.exists, 240), "the step-8 checkpoint never appeared"
+    _, stderr = kill_and_collect(proc, rank=1)
+    assert proc.returncode != 0 and "rank 1" in stderr, stderr[-2000:]
+    resumed = subprocess.run(
+        _cli(tmp_path / "killed", "--resume", "auto"), cwd=USER_FILES, capture_output=True, text=True, timeout=280, env=env
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "at step 8" in resumed.stdout, resumed.stdout[-2000:]
+    finals = [
+        CheckpointManager(tmp_path / name / "checkpoints", keep=3).latest_valid()
+        for name in ("whole", "killed")
+    ]
+    assert finals[0] is not None and finals[1] is not None
+    a, b = finals[0][1], finals[1][1]
+    assert a["step"] == b["step"] == 16
+    assert a["model"].keys() == b["model"].keys()
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name

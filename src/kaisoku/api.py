@@ -32,6 +32,8 @@ from kaisoku.distributed.env import inside_slurm_step, inside_torchrun, planned_
 from kaisoku.distributed.launch import launch_local
 from kaisoku.engine.build import user_parts
 from kaisoku.engine.run import run_training
+from kaisoku.engine.trial import trial_step
+from kaisoku.engine.user_metrics import MetricsArg, named_metrics
 from kaisoku.errors import KaisokuError
 from kaisoku.parts import LossFn, ModelSource, UserParts
 from kaisoku.run_facts import plan_run
@@ -50,6 +52,7 @@ def fit(
     val_data: Any = None,
     loss: LossFn | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    metrics: MetricsArg | None = None,
 ) -> dict[str, Any]:
     """Train ``model`` on ``data`` with every setting of ``config`` on the world this process is in.
 
@@ -60,7 +63,10 @@ def fit(
     ``config``'s ``data.path`` or ``data.dataset``). ``loss``: ``loss(outputs, targets)``, ``targets`` the
     whole batch for dict samples; None: the model's own loss where its output carries one, else the task's
     (cross-entropy, per token for token targets, or mean squared error). ``collate_fn``: makes a batch of a
-    list of samples (None: torch's default). Returns the run's summary, the same on every rank.
+    list of samples (None: torch's default). ``metrics``: validation metrics of your own, one, a list or a
+    dict of name to metric: functions ``metric(outputs, targets)`` returning a batch's mean, or torchmetrics
+    metrics; each is reported as ``val_<name>``, reduced over every rank (:mod:`kaisoku.engine.user_metrics`).
+    Returns the run's summary, the same on every rank.
 
     Under torchrun or srun every rank calls it; elsewhere it trains on this one process (see :func:`launch`
     for several local ranks). Settings that cannot work, and any known failure, print one line and exit with
@@ -70,10 +76,17 @@ def fit(
     world = world_from_env()
     try:
         validate(cfg)
-        parts = user_parts(
-            cfg, UserParts(model=model, train_data=data, val_data=val_data, loss=loss, collate=collate_fn)
+        given = UserParts(
+            model=model,
+            train_data=data,
+            val_data=val_data,
+            loss=loss,
+            collate=collate_fn,
+            metrics=named_metrics(metrics) if metrics is not None else None,
         )
+        parts = user_parts(cfg, given)
         plan = plan_run(cfg, WorldShape(world.world_size, world.local_world_size), parts)  # refuse here
+        trial_step(plan, parts)  # the model, loss and metrics on two samples, before any collective
         return run_training(cfg, parts=parts, plan=plan)
     except KaisokuError as error:  # refused before training (a failure while training exits on its own)
         if world.is_main:  # every rank refuses alike; one says so

@@ -135,6 +135,7 @@ def cmd_train(argv: Sequence[str]) -> int:
     # start-up: the engine and the planner import torch's model and optimizer stacks, which --help skips
     from kaisoku.engine.build import user_parts
     from kaisoku.engine.run import run_training, train_on_local_ranks
+    from kaisoku.engine.trial import trial_step
     from kaisoku.run_facts import plan_run, planned_world
 
     # Everything that can be known before launch is refused here, before any rank or run folder exists.
@@ -144,6 +145,7 @@ def cmd_train(argv: Sequence[str]) -> int:
     if not (inside_torchrun() or inside_slurm_step()):
         for nodes in range(fewest, most):  # an elastic run must fit every host count it may shrink to
             plan_run(cfg, planned_world(cfg.dist.nproc, nodes), parts)
+    trial_step(plan, parts)  # a user's model, loss and metrics on two samples
     if args.print_plan:
         print(plan.describe())
         return 0

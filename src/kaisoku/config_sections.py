@@ -230,6 +230,8 @@ class TrainConfig:
     """Cross-entropy label smoothing."""
     loss: str = "auto"
     """Loss: your own as package.module:function (called as loss(outputs, targets); with dict samples targets is the whole batch), or auto, cross-entropy, mse: auto uses the model's own loss where its output carries one (a Hugging Face model given labels), else the task's (cross-entropy for classification and token targets, -100 left out; mse, mean squared error, for a regression set such as kaisoku datagen --kind cosmo); a loss that does not fit the task is refused."""
+    metrics: list[str] = field(default_factory=list)
+    """Your own validation metrics, as package.module:name import paths (comma-separated): a function metric(outputs, targets) returning the batch's mean, or a torchmetrics metric (an instance, or a class taking no arguments); each is reported as val_<name>, reduced over every rank."""
     task: TaskName = "auto"
     """What the data is for: auto (read from the targets: integer scalars are classification, integer sequences token-classification, or language-model where a dict sample's labels equal its input_ids; float targets regression), classification, token-classification (a label per token), language-model (a causal model: the logits at t predict the label at t+1) or regression."""
     compile: CompileMode = "off"

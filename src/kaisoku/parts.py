@@ -20,7 +20,7 @@ import importlib
 import inspect
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from kaisoku.engine.user_metrics import named_metrics
 from kaisoku.errors import ConfigError
 
 #: A model, or what builds one from the run's :class:`ModelSpec`.
@@ -60,6 +61,8 @@ class UserParts:
     loss: LossFn | None = None
     collate: Callable[[list[Any]], Any] | None = None
     """Makes a batch of a list of the dataset's samples (None: torch's default collate)."""
+    metrics: dict[str, Any] | None = None
+    """The user's validation metrics by name (:mod:`kaisoku.engine.user_metrics`); None: none."""
 
     def merged(self, other: UserParts) -> UserParts:
         """These parts, with ``other``'s filling what these leave out."""
@@ -69,6 +72,7 @@ class UserParts:
             val_data=self.val_data if self.val_data is not None else other.val_data,
             loss=self.loss if self.loss is not None else other.loss,
             collate=self.collate if self.collate is not None else other.collate,
+            metrics=self.metrics if self.metrics is not None else other.metrics,
         )
 
 
@@ -149,10 +153,18 @@ def _as_datasets(obj: Any, key: str) -> tuple[Dataset, Dataset | None]:
     return train, val
 
 
-def parts_from_config(model_name: str, dataset: str, loss: str, collate: str = "") -> UserParts:
-    """The parts that ``model.name``, ``data.dataset``, ``train.loss`` and ``data.collate`` name by import path
-    (others None)."""
+def parts_from_config(
+    model_name: str, dataset: str, loss: str, collate: str = "", metrics: Sequence[str] = ()
+) -> UserParts:
+    """The parts that ``model.name``, ``data.dataset``, ``train.loss``, ``data.collate`` and ``train.metrics``
+    name by import path (others None)."""
     parts = UserParts()
+    if metrics:
+        names = [path.partition(":")[2].split(".")[-1] for path in metrics]
+        twice = next((name for name in names if names.count(name) > 1), None)
+        if twice is not None:
+            raise ConfigError(f"train.metrics: two metrics are named {twice!r}; give each its own name")
+        parts.metrics = named_metrics({name: _metric_at(path) for name, path in zip(names, metrics)})
     if collate:
         fn = load_object(collate, "data.collate")
         if not callable(fn):
@@ -180,6 +192,21 @@ def parts_from_config(model_name: str, dataset: str, loss: str, collate: str = "
     return parts
 
 
+def _metric_at(path: str) -> Any:
+    """The metric an import path names: a function, a torchmetrics metric, or a metric class (instantiated
+    with no arguments)."""
+    metric = load_object(path, "train.metrics")
+    if isinstance(metric, type):
+        try:
+            metric = metric()
+        except Exception as error:
+            raise ConfigError(
+                f"train.metrics: {path}() failed: {type(error).__name__}: {error}; name an instance made "
+                "with its arguments instead"
+            ) from None
+    return metric
+
+
 def _call_dataset_factory(factory: Callable[..., Any]) -> Any:
     """A dataset factory's result (it takes no arguments)."""
     try:
@@ -201,3 +228,5 @@ def check_user_parts(parts: UserParts) -> None:
         raise ConfigError(f"loss: a {type(parts.loss).__name__} is not callable")
     if parts.collate is not None and not callable(parts.collate):
         raise ConfigError(f"collate_fn: a {type(parts.collate).__name__} is not callable")
+    if parts.metrics is not None:
+        named_metrics(parts.metrics)  # the same one-line refusals for Python's metrics as for import paths

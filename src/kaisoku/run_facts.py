@@ -105,6 +105,11 @@ def describe_data(cfg: Config, parts: UserParts | None = None) -> DataFacts:
         top = int(labels.max()) + 1 if labels is not None and len(labels) else 0
         facts = {"in_channels": channels, "num_classes": len(index.classes or ()) or top}
     kind = "volumes" if task == "regression" else "images"
+    if packed[1] is not None:
+        try:
+            facts["val_samples"] = read_index(packed[1]).num_samples
+        except KaisokuError:
+            pass  # a damaged validation index is said where the data is opened
     return DataFacts(
         source="packed",
         task=task,
@@ -175,6 +180,8 @@ def describe_user_data(train: Any, val: Any | None, num_classes: int) -> DataFac
         num_samples=len(train),
         has_val=val is not None,
         target_key=target_key,
+        tokens_per_sample=inputs.numel() if inputs.ndim >= 1 and not inputs.is_floating_point() else 0,
+        val_samples=len(val) if val is not None else 0,
         description=f"the given dataset of {len(train)} {form}, input {list(shape)} {inputs.dtype} ({task})",
     )
 

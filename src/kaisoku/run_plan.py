@@ -84,6 +84,11 @@ class DataFacts:
     """How a message names the data, e.g. ``data.path /d holds images [32, 32, 3] (classification)``."""
     target_key: str | None = None
     """Where a dict sample holds its target (None: the data gives (input, target) pairs)."""
+    tokens_per_sample: int = 0
+    """Token ids per input sample where the input is a sequence of them (``input_ids``), else 0: throughput
+    is then also reported in tokens/s."""
+    val_samples: int = 0
+    """Validation samples, where known before the data is opened (0: unknown or none)."""
 
 
 @dataclass(frozen=True)
@@ -224,6 +229,18 @@ class RunPlan:
         sched = self.config.sched
         return f"warmup {sched.warmup_epochs:g} epochs, then {sched.name} over {self.config.train.epochs:g} epochs"
 
+    @property
+    def validation_description(self) -> str:
+        """The validation set and what it reports."""
+        if not self.data.has_val:
+            return "none"
+        size = f"{self.data.val_samples} samples" if self.data.val_samples else "a split of the data"
+        metrics = self.config.train.metrics
+        own = f" + {', '.join(m.partition(':')[2] for m in metrics)}" if metrics else ""
+        every = self.config.train.val_every
+        when = f"every {every} steps" if every else "each epoch"
+        return f"{size}, {when}, {self.task} figures{own}"
+
     def describe(self) -> str:
         """The plan as aligned ``key: value`` lines (``kaisoku train --print-plan``)."""
         rows: list[tuple[str, Any]] = [
@@ -246,7 +263,7 @@ class RunPlan:
                 "total steps",
                 self.total_steps(self.steps_per_epoch)[1] if self.steps_per_epoch else "when opened",
             ),
-            ("validation", "yes" if self.data.has_val else "none"),
+            ("validation", self.validation_description),
             ("steps per epoch", self.steps_per_epoch if self.steps_per_epoch is not None else "when opened"),
             ("shuffle", self.shuffle.name),
             ("node cache", "on" if self.cache.enabled else "off"),

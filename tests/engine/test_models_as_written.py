@@ -157,11 +157,26 @@ def test_a_task_the_targets_do_not_fit_and_dict_batches_under_pipeline_stages_ar
         plan_run(cfg, None, parts)
 
 
+def token_accuracy(outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A user's metric: the batch's next-token accuracy."""
+    return (outputs["logits"][:, :-1].argmax(-1) == batch["labels"][:, 1:]).float().mean()
+
+
 def fit_and_write_summary(folder: str) -> None:
-    """A rank's ``main`` under ``kaisoku.launch``: fit, then write this rank's summary to a file of its own."""
+    """A rank's ``main`` under ``kaisoku.launch``: fit with a validation set of an odd size (the ranks see
+    other numbers of samples) and two metrics of the user's, then write this rank's summary to a file."""
+    from torchmetrics.classification import MulticlassAccuracy
+
     torch.manual_seed(0)
     summary = kaisoku.fit(
-        _config(Path(folder) / "run", epochs=1), model=TinyCausalLM(), data=NextToken(256, 0, as_dict=True)
+        _config(Path(folder) / "run", epochs=1),
+        model=TinyCausalLM(),
+        data=NextToken(256, 0, as_dict=True),
+        val_data=NextToken(45, 1, as_dict=True),
+        metrics={
+            "next_token": token_accuracy,
+            "tm_accuracy": MulticlassAccuracy(num_classes=VOCAB, average="micro", ignore_index=-100),
+        },
     )
     rank = os.environ.get("RANK", "0")
     (Path(folder) / f"summary-{rank}.json").write_text(json.dumps(summary))
@@ -185,6 +200,18 @@ def test_two_ranks_return_the_same_summary_with_the_loss_averaged_over_ranks(tmp
     summaries = [json.loads((tmp_path / f"summary-{rank}.json").read_text()) for rank in (0, 1)]
     assert summaries[0]["steps"] == summaries[1]["steps"] == 8
     assert summaries[0]["final_loss"] == summaries[1]["final_loss"]
+    # The user's metrics are the whole validation set's, on every rank: a plain function's batch means
+    # weighted by samples, and torchmetrics' own gathered states, both equal the task's token accuracy.
+    for summary in summaries:
+        assert summary["val_samples"] == 45
+        assert summary["val_next_token"] == pytest.approx(summary["val_token_accuracy"], abs=1e-9)
+        assert summary["val_tm_accuracy"] == pytest.approx(summary["val_token_accuracy"], abs=1e-6)
+    assert summaries[0]["val_next_token"] == summaries[1]["val_next_token"]
+    assert summaries[0]["tokens_per_s"] == pytest.approx(summaries[0]["samples_per_s"] * LENGTH)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    validation = [r for r in records if r.get("event") == "validation"]
+    assert validation and "val_next_token" in validation[-1] and "val_tm_accuracy" in validation[-1]
+    assert any("tokens_per_s" in r for r in records if "loss" in r)
 
 
 _RANK_DATA = '''

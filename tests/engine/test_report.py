@@ -74,8 +74,10 @@ def test_the_report_of_a_crashed_run_embeds_readable_plots_events_and_config(tmp
     text = page.read_text()
     parser.feed(text)
     assert parser.headings == ["Status", "Plots", "Events", "Environment", "Resolved config"]
-    # loss, val accuracy, lr, samples/s, data wait, peak memory, shuffle quality, skipped records
-    assert len(parser.sources) == 8
+    # loss, val accuracy, lr, samples/s, data wait, peak memory, shuffle quality, skipped records, and each
+    # other validation figure (here the validation loss)
+    assert len(parser.sources) == 9
+    assert (run_dir / "report" / "val_loss.png").exists()
     for source in parser.sources:
         assert source.startswith("data:image/png;base64,")
         image = Image.open(io.BytesIO(base64.b64decode(source.split(",", 1)[1])))

@@ -89,7 +89,6 @@ def whole_cli_run(tmp_path_factory: pytest.TempPathFactory, mnist_path: Path) ->
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("feature", KILLED)
 def test_user_model_trains_with_each_feature_and_resumes_exactly_after_a_kill(

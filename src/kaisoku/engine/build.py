@@ -44,6 +44,7 @@ from kaisoku.engine.step import DataParallelStep, LossFn, Precision, Preconditio
 from kaisoku.engine.structures import to_device
 from kaisoku.engine.tasks import DefaultLoss
 from kaisoku.engine.trainer import Trainer, TrainSettings
+from kaisoku.engine.user_metrics import UserMetrics
 from kaisoku.errors import ConfigError, KaisokuError
 from kaisoku.memory.in_backward import attach_update_in_backward
 from kaisoku.memory.profile import MemorySetup, setup_memory
@@ -67,6 +68,7 @@ def user_parts(cfg: Config, parts: UserParts | None = None) -> UserParts:
             cfg.data.dataset if given.train_data is None else "",
             cfg.train.loss if given.loss is None else "auto",
             cfg.data.collate if given.collate is None else "",
+            cfg.train.metrics if given.metrics is None else (),
         )
     )
 
@@ -138,17 +140,21 @@ def build_loss(plan: RunPlan, parts: UserParts) -> LossFn:
     )
 
 
-def example_batch(plan: RunPlan, device: torch.device, parts: UserParts) -> tuple[torch.Tensor, torch.Tensor]:
-    """One micro-batch of the run's shape for the compile trial and the memory profile: the first samples of
-    the user's dataset, else standard-normal inputs with labels (or targets) keyed by train.seed."""
+def example_batch(
+    plan: RunPlan, device: torch.device, parts: UserParts, count: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of ``count`` samples (0: one micro-batch of the run) for the compile trial, the memory profile
+    and the trial step: the first samples of the user's dataset, else standard-normal inputs with labels (or
+    targets) keyed by train.seed."""
     seed = plan.config.train.seed
+    count = count or plan.micro_batch
     if parts.train_data is not None:
         data = parts.train_data
-        samples = [data[i % len(data)] for i in range(plan.micro_batch)]
+        samples = [data[i % len(data)] for i in range(count)]
         inputs, targets = BatchPairs(parts.collate)(samples)
         moved = to_device(inputs, device)
         return moved, moved if targets is inputs else to_device(targets, device)
-    shape = plan.memory_input_shape
+    shape = (count, *plan.sample_shape)
     if plan.task == "regression":
         generator = torch.Generator().manual_seed(seed)
         inputs = torch.randn(shape, generator=generator)
@@ -524,6 +530,7 @@ def build_trainer(
             loss_fn=parts.loss,
             target_key=plan.data.target_key,
             seed=cfg.train.seed,
+            tokens_per_sample=plan.data.tokens_per_sample,
         ),
         world=world,
         device=device,
@@ -536,6 +543,9 @@ def build_trainer(
         ),
         config_dict=to_dict(cfg),
         guard=guard,
+        user_metrics=UserMetrics(
+            parts.metrics or {}, device, target_key=plan.data.target_key, task=plan.task
+        ),
     )
     metrics.log(
         {

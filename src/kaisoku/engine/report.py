@@ -33,6 +33,7 @@ SERIES: tuple[tuple[str, str, str], ...] = (
     ("Validation MAE", "MAE", "val_mae"),
     ("Learning rate", "lr", "lr"),
     ("Throughput", "samples/s", "samples_per_s"),
+    ("Token throughput", "tokens/s", "tokens_per_s"),
     ("Data-wait fraction", "fraction of step time", "data_wait_fraction"),
     ("Peak memory", "MiB", "peak_memory_mib"),
     ("Shuffle quality", "quality", "shuffle_quality"),
@@ -40,6 +41,21 @@ SERIES: tuple[tuple[str, str, str], ...] = (
 )
 _NOT_EVENTS = {"validation", "epoch"}  # logged as events, shown as series instead
 _TIME_KEYS = ("started", "ended", "time")  # run.json's Unix times, shown as local date-time
+
+
+#: Validation figures that are counts, not plotted.
+_VALIDATION_COUNTS = {"val_samples", "val_tokens", "val_skipped_records"}
+
+
+def _validation_series(records: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """A plot for each other validation figure (the loss, perplexity, the user's own metrics), in the order
+    the records name them."""
+    covered = {key for _, _, key in SERIES} | _VALIDATION_COUNTS
+    keys: dict[str, None] = {}
+    for record in records:
+        if record.get("event") == "validation":
+            keys.update((key, None) for key in record if key.startswith("val_") and key not in covered)
+    return [(f"Validation {key[4:].replace('_', ' ')}", key[4:], key) for key in keys]
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -171,7 +187,7 @@ def _write_report(run_dir: Path) -> Path:
     records = read_metrics(run_dir)
     figures = run_dir / "report"
     images = []
-    for title, ylabel, key in SERIES:
+    for title, ylabel, key in (*SERIES, *_validation_series(records)):
         xs, ys = series(records, key)
         if not xs:
             continue

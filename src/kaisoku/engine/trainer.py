@@ -29,6 +29,7 @@ from kaisoku.engine.metrics import MetricsLogger, interval_peak_memory_mib, peak
 from kaisoku.engine.step import MicroBatches, Precision, StepEngine
 from kaisoku.engine.structures import batch_size, call_model, to_device
 from kaisoku.engine.tasks import make_task
+from kaisoku.engine.user_metrics import UserMetrics
 from kaisoku.errors import KaisokuError
 
 
@@ -104,6 +105,8 @@ class TrainSettings:
     """Where a dict batch holds its labels (None: batches are (input, target) pairs)."""
     seed: int = 0
     """train.seed: each step's random numbers (dropout) are drawn from a generator keyed by (seed, step)."""
+    tokens_per_sample: int = 0
+    """Token ids per sample where the input is a sequence of them (tokens/s is logged too), else 0."""
 
 
 @dataclass
@@ -138,6 +141,7 @@ class Trainer:
         config_dict: dict[str, Any] | None = None,
         on_step: Callable[[int], None] | None = None,
         guard: NonFiniteGuard | None = None,
+        user_metrics: UserMetrics | None = None,
     ) -> None:
         self.engine = engine
         self.precision = precision
@@ -152,6 +156,7 @@ class Trainer:
             loss_fn=settings.loss_fn,
             target_key=settings.target_key,
         )
+        self.user_metrics = user_metrics
         self.world = world
         self.device = device
         self.metrics = metrics
@@ -384,20 +389,29 @@ class Trainer:
         model.eval()
         sums: torch.Tensor | None = None
         seen = 0
+        if self.user_metrics:
+            self.user_metrics.reset()
         for inputs, targets in self.val_loader or ():
             inputs, targets = self._prepare(inputs, targets)
             with self.precision.autocast():
                 outputs = call_model(model, inputs)
             batch = self.task.validation_sums(outputs, targets)
             sums = batch if sums is None else sums + batch
-            seen += batch_size(inputs)
+            samples = batch_size(inputs)
+            seen += samples
+            if self.user_metrics:
+                self.user_metrics.update(outputs, targets, samples)
         values = [float(v) for v in (sums if sums is not None else self.task.empty_sums()).tolist()]
         # The eval sampler hands out this rank's share exactly once: fewer seen were skipped as damaged.
         expected = getattr(getattr(self.val_loader, "batch_sampler", None), "num_samples", seen)
         totals = env.all_reduce_sum([*values, float(seen), float(expected - seen)], self.device)
         model.train()
+        own: dict[str, float] = {}
+        if self.user_metrics:
+            own = self.user_metrics.compute(lambda values: env.all_reduce_sum(values, self.device))
         return {
             **self.task.validation_metrics(totals[:-2], totals[-2]),
+            **own,
             "val_skipped_records": int(totals[-1]),
         }
 
@@ -463,6 +477,11 @@ class Trainer:
                         "loss": self.last_loss,
                         "lr": self.engine.optimizer.param_groups[0]["lr"],
                         "samples_per_s": rate,
+                        **(
+                            {"tokens_per_s": rate * settings.tokens_per_sample}
+                            if settings.tokens_per_sample
+                            else {}
+                        ),
                         "data_wait_fraction": window_wait / max(elapsed, 1e-9),
                         "peak_memory_mib": interval_peak_memory_mib(self.device),
                     }
@@ -546,11 +565,14 @@ class Trainer:
             )
         # The last window's loss, averaged over the ranks: every rank returns the run's figure, not its own.
         final_loss = env.all_reduce_sum([self.last_loss], self.device)[0] / self.world.world_size
+        samples_per_s = steps_run * self.settings.global_batch / max(wall, 1e-9)
+        if self.settings.tokens_per_sample:
+            extra["tokens_per_s"] = samples_per_s * self.settings.tokens_per_sample
         return {
             "steps": self.state.step,
             "epochs": self.state.step / self.train_data.steps_per_epoch,
             "final_loss": final_loss,
-            "samples_per_s": steps_run * self.settings.global_batch / max(wall, 1e-9),
+            "samples_per_s": samples_per_s,
             "train_seconds": wall,
             **val,
             "peak_memory_mib": peak_memory_mib(self.device),
@@ -586,6 +608,8 @@ class Trainer:
                 }
             )
             score = self.task.score(val)
+            if self.user_metrics:
+                score += "".join(f", {name} {val[f'val_{name}']:.4g}" for name in self.user_metrics.names)
             self.metrics.message(
                 f"step {self.state.step}: val loss {val['val_loss']:.4f}, "
                 f"{score} ({time.perf_counter() - start:.1f} s)"
