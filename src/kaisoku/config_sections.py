@@ -266,6 +266,8 @@ class DistConfig:
     """HOST[:PORT] of the rendezvous with dist.nnodes > 1 (port 29400 when left out): an address of one of the hosts every host can reach."""
     timeout: float = 300.0
     """Seconds a collective waits for a peer before the run stops (torch's own default is 30 minutes)."""
+    short_timeout: float = 60.0
+    """Seconds a collective waits during validation and the start-up checks after the group is joined (same data on every rank, the loader's set-up), where every rank runs the same short steps: a rank that never comes is said in this time, not after dist.timeout; 0: dist.timeout throughout. Reading a checkpoint keeps dist.timeout (a large one may take minutes)."""
     max_restarts: int = 0
     """Times torchrun restarts the ranks after a failure; a restarted run resumes from its newest checkpoint."""
     eager_init: bool = True

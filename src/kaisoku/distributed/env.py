@@ -6,11 +6,13 @@ CUDA, communicator set-up with ``device_id``) overlaps model construction and da
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
 import subprocess
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -209,6 +211,42 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor)
     return tensor.tolist()
+
+
+def _joined_groups() -> list[dist.ProcessGroup]:
+    """Every process group this process is in: the default one, and those a device mesh or a K-FAC or
+    exchange set-up made (torch keeps no public list of them)."""
+    if not dist.is_initialized():
+        return []
+    world = getattr(dist.distributed_c10d, "_world", None)
+    groups = list(getattr(world, "pg_map", {}) or [dist.group.WORLD])
+    return [g for g in groups if isinstance(g, dist.ProcessGroup) and dist.get_rank(g) >= 0]
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective of a phase under :func:`collective_timeout` waited its whole short timeout."""
+
+
+@contextlib.contextmanager
+def collective_timeout(seconds: float, restore: float, phase: str) -> Iterator[None]:
+    """Collectives of every joined group time out after ``seconds`` inside, and after ``restore`` seconds
+    (the run's ``dist.timeout``) again after it: a phase where every rank runs the same short steps (start-up
+    checks, validation) gets a short timeout, so that a rank that never comes is said in seconds, as
+    :class:`CollectiveTimeout` naming ``phase``. ``seconds`` 0, or a single rank: nothing changes."""
+    groups = _joined_groups() if seconds > 0 and dist.is_initialized() and dist.get_world_size() > 1 else []
+    for group in groups:
+        dist.set_timeout(datetime.timedelta(seconds=seconds), group)
+    try:
+        yield
+    except Exception as error:
+        if groups and ("Timed out" in str(error) or type(error).__name__ == "DistBackendError"):
+            raise CollectiveTimeout(
+                f"{phase}: Timed out after {seconds:g} s waiting for another rank (dist.short_timeout)"
+            ) from error
+        raise
+    finally:
+        for group in groups:
+            dist.set_timeout(datetime.timedelta(seconds=restore), group)
 
 
 def barrier() -> None:

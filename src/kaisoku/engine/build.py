@@ -448,14 +448,15 @@ def build_trainer(
     wait_start = time.perf_counter()
     pg_init.wait()
     pg_wait_seconds = time.perf_counter() - wait_start
-    if parts.train_data is not None and world.distributed:
-        check_same_data(parts.train_data, parts.val_data)
-    if isinstance(data.train, ShardLoader):
-        # Collective set-up of the shard loader: a run token all ranks share, the exchange's group.
-        data.train.connect(
-            run_token=env.shared_token(),
-            exchange_group=env.cpu_collective_group() if data.train.needs_exchange else None,
-        )
+    with env.collective_timeout(cfg.dist.short_timeout, cfg.dist.timeout, "the start-up checks"):
+        if parts.train_data is not None and world.distributed:
+            check_same_data(parts.train_data, parts.val_data)
+        if isinstance(data.train, ShardLoader):
+            # Collective set-up of the shard loader: a run token all ranks share, the exchange's group.
+            data.train.connect(
+                run_token=env.shared_token(),
+                exchange_group=env.cpu_collective_group() if data.train.needs_exchange else None,
+            )
     steps_per_epoch = data.train.steps_per_epoch
     if plan.steps_per_epoch is not None and plan.steps_per_epoch != steps_per_epoch:
         raise KaisokuError(
@@ -531,6 +532,8 @@ def build_trainer(
             target_key=plan.data.target_key,
             seed=cfg.train.seed,
             tokens_per_sample=plan.data.tokens_per_sample,
+            collective_timeout=cfg.dist.timeout,
+            short_timeout=cfg.dist.short_timeout,
         ),
         world=world,
         device=device,

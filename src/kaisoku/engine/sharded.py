@@ -48,6 +48,8 @@ class ShardedStep:
     """
 
     reads_sharded_checkpoints = True
+    collective_forward = True
+    """Its forward gathers weights from every rank: every rank must run as many forwards (validation)."""
     """Loads :mod:`~kaisoku.distributed.sharded_checkpoint` folders itself (the trainer need not gather)."""
 
     def __init__(

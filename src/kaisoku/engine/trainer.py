@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -105,6 +105,10 @@ class TrainSettings:
     """Where a dict batch holds its labels (None: batches are (input, target) pairs)."""
     seed: int = 0
     """train.seed: each step's random numbers (dropout) are drawn from a generator keyed by (seed, step)."""
+    collective_timeout: float = 300.0
+    """dist.timeout: seconds a collective waits for a peer."""
+    short_timeout: float = 0.0
+    """dist.short_timeout: the same during validation (every rank runs the same short steps); 0: the above."""
     tokens_per_sample: int = 0
     """Token ids per sample where the input is a sequence of them (tokens/s is logged too), else 0."""
 
@@ -381,7 +385,14 @@ class Trainer:
             return {}
         # Validation draws no number of the run's: the checkpoint after it holds the generator state an
         # uninterrupted run has there (the loader's iterator draws its base seed from the global generator).
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+        with (
+            torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []),
+            env.collective_timeout(
+                self.settings.short_timeout,
+                self.settings.collective_timeout,
+                f"validation at step {self.state.step}",
+            ),
+        ):
             return self._validate()
 
     def _validate(self) -> dict[str, float]:
@@ -391,8 +402,16 @@ class Trainer:
         seen = 0
         if self.user_metrics:
             self.user_metrics.reset()
+        # A sharded model's forward gathers weights with every rank: a rank with fewer validation batches (the
+        # set does not divide by the world) runs a forward on a spare batch for each it lacks, results unused.
+        batches = len(self.val_loader or ())
+        spare = 0
+        if getattr(self.engine, "collective_forward", False):
+            spare = int(env.all_reduce_max([float(batches)], self.device)[0]) - batches
+        last: Any = None
         for inputs, targets in self.val_loader or ():
             inputs, targets = self._prepare(inputs, targets)
+            last = inputs
             with self.precision.autocast():
                 outputs = call_model(model, inputs)
             batch = self.task.validation_sums(outputs, targets)
@@ -401,6 +420,12 @@ class Trainer:
             seen += samples
             if self.user_metrics:
                 self.user_metrics.update(outputs, targets, samples)
+        if spare:
+            if last is None:
+                last, _ = self._prepare(*self._spare_batch())
+            for _ in range(spare):
+                with self.precision.autocast():
+                    call_model(model, last)
         values = [float(v) for v in (sums if sums is not None else self.task.empty_sums()).tolist()]
         # The eval sampler hands out this rank's share exactly once: fewer seen were skipped as damaged.
         expected = getattr(getattr(self.val_loader, "batch_sampler", None), "num_samples", seen)
@@ -414,6 +439,14 @@ class Trainer:
             **own,
             "val_skipped_records": int(totals[-1]),
         }
+
+    def _spare_batch(self) -> tuple[Any, Any]:
+        """The first validation sample as a batch: what a rank that has no validation batch at all (a set
+        smaller than the world) runs its forwards on."""
+        assert self.val_loader is not None
+        indices = self.val_loader.batch_sampler.first_batch()  # type: ignore[union-attr]
+        batch = self.val_loader.collate_fn([self.val_loader.dataset[i] for i in indices])
+        return (batch, batch) if isinstance(batch, Mapping) else (batch[0], batch[1])
 
     # ------------------------------------------------------------------------------------------------
     # Loop

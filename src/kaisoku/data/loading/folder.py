@@ -257,3 +257,8 @@ class ShardedEvalSampler:
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         for start in range(0, len(self.indices), self.batch_size):
             yield [(0, int(i)) for i in self.indices[start : start + self.batch_size]]
+
+    def first_batch(self) -> list[tuple[int, int]]:
+        """The set's first sample as a batch of one, whichever rank this is (a stand-in batch for a rank
+        that must run a forward it has no sample of its own for)."""
+        return [(0, 0)]
