@@ -1,10 +1,12 @@
-"""LARS and LAMB: layer-wise trust ratios computed for every layer at once, with no host synchronisation.
+"""LARS: layer-wise trust ratios computed for every layer at once, with no host synchronisation.
 
-Both optimizers keep the per-layer work on the device. All norms of a parameter group come from one
-``torch._foreach_norm`` call, the trust ratios are a handful of vector operations on the stacked norms
-(``torch.where`` replaces the usual ``if norm > 0`` test), and the update is a few ``_foreach`` calls whose
-per-tensor scale factors are 0-dim tensors. ``step()`` never calls ``.item()`` nor branches on a tensor
-value, so it runs unchanged on ``meta`` tensors, under CUDA graphs and under ``torch.compile``.
+LARS and LAMB (:mod:`kaisoku.optim.lamb`, importable from here too) share the machinery of
+:mod:`kaisoku.optim.layerwise`. Both optimizers keep the per-layer work on the device. All norms of a
+parameter group come from one ``torch._foreach_norm`` call, the trust ratios are a handful of vector
+operations on the stacked norms (``torch.where`` replaces the usual ``if norm > 0`` test), and the update
+is a few ``_foreach`` calls whose per-tensor scale factors are 0-dim tensors. ``step()`` never calls
+``.item()`` nor branches on a tensor value, so it runs unchanged on ``meta`` tensors, under CUDA graphs
+and under ``torch.compile``.
 
 Parameters with ``ndim <= 1`` (BatchNorm weights and biases) are excluded from adaptation and weight decay
 by default, as in the large-batch literature. The choice can be made per parameter group
@@ -12,36 +14,33 @@ by default, as in the large-batch literature. The choice can be made per paramet
 names are available when the optimizer is given ``model.named_parameters()``.
 
 Sharded parameters (DTensors, e.g. under FSDP2) are updated through their local shards. A layer's norm is
-then the norm of its whole parameter: :meth:`_LayerwiseOptimizer.reduce_norms_with` takes a function that
-sums stacked squared local norms over the shard group (one collective per parameter group and step; see
+then the norm of its whole parameter:
+:meth:`~kaisoku.optim.layerwise._LayerwiseOptimizer.reduce_norms_with` takes a function that sums stacked
+squared local norms over the shard group (one collective per parameter group and step; see
 :func:`kaisoku.distributed.sharding.shard_norm_reducer`), so no parameter is ever gathered.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, TypeAlias
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.optim import Optimizer
 
 from kaisoku.errors import ConfigError
-
-ParamsT: TypeAlias = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]]
-"""What an optimizer accepts: tensors, (name, tensor) pairs or parameter-group dicts."""
-
-ExcludeFn: TypeAlias = Callable[[str, Tensor], bool]
-"""``exclude(name, param) -> bool``: True leaves the parameter out of adaptation and weight decay."""
-
-Coeff: TypeAlias = float | Tensor | list[Tensor]
-"""A multiplier: one number (Python or 0-dim tensor) for every tensor of a list, or one 0-dim tensor each."""
-
-
-def exclude_ndim_le_1(name: str, param: Tensor) -> bool:
-    """The default exclusion rule: BatchNorm parameters and biases, i.e. every tensor with ``ndim <= 1``."""
-    return param.ndim <= 1
-
+from kaisoku.optim.lamb import LAMB, lamb_update  # noqa: F401  (LAMB's public home was this module)
+from kaisoku.optim.layerwise import (
+    Coeff,
+    ExcludeFn,
+    NormReduce,
+    ParamsT,
+    _axpy,
+    _check_non_negative,
+    _check_positive,
+    _LayerwiseOptimizer,
+    exclude_ndim_le_1,
+    layer_norms,
+)
 
 #: The parameter count at which the ImageNet LARS trust coefficient 0.001 was tuned (ResNet-50).
 ETA_REFERENCE_PARAMS = 25.6e6
@@ -73,51 +72,6 @@ def lars_eta(num_params: int) -> float:
     return min(ETA_MAX, max(ETA_MIN, 0.001 * (ETA_REFERENCE_PARAMS / num_params) ** 0.6))
 
 
-NormReduce: TypeAlias = Callable[[Tensor], Tensor]
-"""``reduce(squares) -> squares``: stacked squared local norms summed over the ranks that share a parameter."""
-
-
-def _local(tensor: Tensor) -> Tensor:
-    """A sharded tensor's local shard (a view: in-place updates reach the parameter), else the tensor."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
-
-
-def layer_norms(tensors: list[Tensor], reduce: NormReduce | None) -> Tensor:
-    """The stacked 2-norms of ``tensors``; with ``reduce``, of the whole tensors whose local shards they are
-    (``sqrt(sum over ranks of ||shard||^2)``, one ``reduce`` call for all of them)."""
-    norms = torch.stack(torch._foreach_norm(tensors))
-    if reduce is None:
-        return norms
-    return reduce(norms.square()).sqrt()
-
-
-def _check_positive(owner: str, name: str, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{owner}: {name} must be > 0 (got {value})")
-
-
-def _check_non_negative(owner: str, name: str, value: float) -> None:
-    if not value >= 0:
-        raise ValueError(f"{owner}: {name} must be >= 0 (got {value})")
-
-
-def _axpy(dst: list[Tensor], src: list[Tensor], coeff: Coeff, value: float | Tensor = 1.0) -> None:
-    """``dst[i] += value * coeff[i] * src[i]`` (or ``value * coeff * src[i]``) in one ``_foreach`` call."""
-    if not dst:
-        return
-    if isinstance(coeff, list):
-        if isinstance(value, Tensor):  # compiled path: the products fuse there
-            coeff = list(torch._foreach_mul(coeff, value))
-            value = 1.0
-        torch._foreach_addcmul_(dst, src, coeff, value=value)
-    elif isinstance(coeff, Tensor) or isinstance(value, Tensor):
-        # A tensor learning rate (compiled path): the product is fused there, never materialised.
-        torch._foreach_add_(dst, torch._foreach_mul(src, coeff * value))
-    else:
-        torch._foreach_add_(dst, src, alpha=value * coeff)
-
-
 def trust_ratios(
     weight_norms: Tensor,
     update_norms: Tensor,
@@ -140,122 +94,6 @@ def trust_ratios(
     # Both norms positive; norms are never negative, so the smaller one decides.
     usable = torch.minimum(weight_norms, update_norms) > 0
     return torch.where(usable, ratio, 1.0)
-
-
-class _LayerwiseOptimizer(Optimizer):
-    """Shared plumbing: the step loop, parameter collection, exclusion, sparse-gradient check, device grouping."""
-
-    _exclude: ExcludeFn
-
-    def _collect(self, group: dict[str, Any], state_keys: tuple[str, ...]) -> list[tuple[Any, ...]]:
-        """The group's parameters that have gradients, split into adapted and excluded lists per device.
-
-        Returns ``(adapted, excluded)`` pairs, one per (device, dtype); each is a tuple of lists
-        ``(params, grads, *state tensors)``.
-        """
-        names = group.get("param_names")
-        forced = group.get("lars_exclude")
-        sharded = False
-        self._originals: dict[int, Tensor] = {}
-        buckets: dict[tuple[torch.device, torch.dtype], tuple[list[list[Tensor]], list[list[Tensor]]]] = {}
-        width = 2 + len(state_keys)
-        for index, param in enumerate(group["params"]):
-            grad = param.grad
-            if grad is None:
-                continue
-            if grad.is_sparse:
-                raise RuntimeError(
-                    f"{type(self).__name__} does not support sparse gradients; parameter "
-                    f"{names[index] if names else index} of group {self.param_groups.index(group)} has one "
-                    "(use a dense embedding or a sparse-aware optimizer for it)"
-                )
-            excluded = forced if forced is not None else self._exclude(names[index] if names else "", param)
-            state = self.state[param]
-            if not state:
-                self._init_state(state, param)
-            key = (param.device, param.dtype)
-            if key not in buckets:
-                buckets[key] = ([[] for _ in range(width)], [[] for _ in range(width)])
-            lists = buckets[key][1 if excluded else 0]
-            local = _local(param)
-            if local is not param:
-                sharded = True
-                self._originals[id(local)] = param
-            lists[0].append(local)
-            lists[1].append(_local(grad))
-            for slot, state_key in enumerate(state_keys, start=2):
-                lists[slot].append(_local(state[state_key]))
-        if sharded and self._norm_reduce is None:
-            raise RuntimeError(
-                f"{type(self).__name__} got sharded parameters but no way to sum their norms over the shards; "
-                "call reduce_norms_with(kaisoku.distributed.sharding.shard_norm_reducer(mesh))"
-            )
-        return [(tuple(adapted), tuple(excluded)) for adapted, excluded in buckets.values()]
-
-    def _state_of(self, tensor: Tensor) -> dict[str, Any]:
-        """The state of the parameter ``tensor`` is (or, after :meth:`_collect`, the local shard of)."""
-        return self.state[self._originals.get(id(tensor), tensor)]
-
-    _norm_reduce: NormReduce | None = None
-
-    def reduce_norms_with(self, reduce: NormReduce | None) -> None:
-        """Sum each layer's squared local norms with ``reduce`` (sharded parameters); None: local norms."""
-        self._norm_reduce = reduce
-
-    _lr_tensors: dict[tuple[int, torch.device], Tensor]
-
-    def _lr_tensor(self, group_index: int, device: torch.device, lr: float) -> Tensor:
-        """A 0-dim device tensor holding ``lr``, reused across steps so the compiled update never recompiles."""
-        key = (group_index, device)
-        tensor = self._lr_tensors.get(key)
-        if tensor is None:
-            tensor = self._lr_tensors[key] = torch.tensor(lr, dtype=torch.float32, device=device)
-        return tensor.fill_(lr)
-
-    _compile: bool
-    _update: Callable[..., None]
-    _eager_update: Callable[..., None]
-
-    def __getstate__(self) -> dict[str, Any]:
-        """torch's optimizer state plus the exclusion rule and the update (copies and pickles keep them)."""
-        state = super().__getstate__()
-        state.update(_exclude=self._exclude, _eager_update=self._eager_update, _compile=self._compile)
-        state.pop("_norm_reduce", None)  # holds a process group: a copy is given its own
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Restore from :meth:`__getstate__`; a compiled update is compiled afresh for the copy."""
-        compiled = state.pop("_compile", False)
-        super().__setstate__(state)
-        self._lr_tensors = {}
-        self._compile = False
-        self._update = self._eager_update
-        if compiled:
-            self.compile_update()
-
-    def compile_update(self) -> None:
-        """Run the batched update through ``torch.compile`` from the next step on (that step compiles)."""
-        if not self._compile:
-            self._compile = True
-            self._update = torch.compile(self._eager_update, dynamic=False)  # type: ignore[assignment]
-
-    def _init_state(self, state: dict[str, Any], param: Tensor) -> None:
-        raise NotImplementedError
-
-    def _step_group(self, index: int, group: dict[str, Any]) -> None:
-        """Update the parameters of ``self.param_groups[index]`` (``group``) from their gradients."""
-        raise NotImplementedError
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Take one optimization step; ``closure`` re-evaluates the loss if given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for index, group in enumerate(self.param_groups):
-            self._step_group(index, group)
-        return loss
 
 
 class LARS(_LayerwiseOptimizer):
@@ -458,157 +296,3 @@ def lars_update(
         _axpy(params, grads, coeff_grad, -outer)
         _axpy(params_excluded, grads_excluded, inner, -outer)
     _axpy(all_params, all_bufs, momentum, -outer)
-
-
-class LAMB(_LayerwiseOptimizer):
-    """LAMB: Adam moments with a layer-wise trust ratio, on the same batched, sync-free machinery as LARS.
-
-    For each adapted parameter ``w``::
-
-        m = b1 * m + (1 - b1) * g ;  v = b2 * v + (1 - b2) * g^2
-        u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd * w
-        w -= lr * (||w|| / ||u||) * u           (ratio 1 where a norm is 0; clipped at ``max_trust``)
-
-    Excluded parameters (``ndim <= 1`` by default) take the Adam step ``u`` without weight decay or ratio.
-    The step count ``t`` is kept per parameter as a Python int, so bias corrections cost no device work.
-
-    Args:
-        params: as for :class:`LARS`.
-        lr: learning rate, > 0.
-        betas: moment coefficients, each in [0, 1).
-        eps: added to the root of the second moment.
-        weight_decay: decoupled weight decay of adapted parameters (inside the trust ratio).
-        max_trust: upper bound of the trust ratio; 0 leaves it unbounded.
-        exclude: as for :class:`LARS`.
-        compile: run the update through ``torch.compile`` (first step compiles; worth it on GPUs).
-    """
-
-    def __init__(
-        self,
-        params: ParamsT,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        *,
-        eps: float = 1e-6,
-        weight_decay: float = 0.0,
-        max_trust: float = 10.0,
-        exclude: ExcludeFn = exclude_ndim_le_1,
-        compile: bool = False,
-    ) -> None:
-        _check_positive("LAMB", "lr", lr)
-        _check_non_negative("LAMB", "weight_decay", weight_decay)
-        _check_non_negative("LAMB", "max_trust", max_trust)
-        _check_positive("LAMB", "eps", eps)
-        for index, beta in enumerate(betas):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"LAMB: betas[{index}] must be in [0, 1) (got {beta})")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        defaults.update(max_trust=max_trust, lars_exclude=None)
-        self._exclude = exclude
-        self._lr_tensors = {}
-        self._compile = False
-        self._eager_update = self._update = lamb_update
-        if compile:
-            self.compile_update()
-        super().__init__(params, defaults)
-
-    def _init_state(self, state: dict[str, Any], param: Tensor) -> None:
-        state["step"] = 0
-        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-
-    def _step_group(self, index: int, group: dict[str, Any]) -> None:
-        beta1, beta2 = group["betas"]
-        for adapted, excluded in self._collect(group, ("exp_avg", "exp_avg_sq")):
-            params, grads, exp_avgs, exp_avg_sqs = (a + e for a, e in zip(adapted, excluded))
-            if not params:
-                continue
-            steps = []
-            for param in params:
-                state = self._state_of(param)
-                state["step"] += 1
-                steps.append(state["step"])
-            device = params[0].device
-            lr: float | Tensor = float(group["lr"])
-            if self._compile:
-                lr = self._lr_tensor(index, device, lr)
-            # Bias corrections computed on the host in double precision (no device work). Eager: as scalar
-            # lists, which a _foreach call applies in one kernel (a list of 0-dim tensors would launch one
-            # kernel per tensor on CUDA). Compiled: sent as one tensor, so that new values are not new
-            # constants and the update never recompiles.
-            bias_corrections = ([1 / (1 - beta1**t) for t in steps], [(1 - beta2**t) ** -0.5 for t in steps])
-            corrections: Tensor | tuple[list[float], list[float]] = bias_corrections
-            if self._compile:
-                corrections = torch.tensor(bias_corrections, dtype=torch.float32).to(
-                    device, non_blocking=True
-                )
-            self._update(
-                params,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                corrections,
-                count=len(adapted[0]),
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                max_trust=group["max_trust"],
-                norm_reduce=self._norm_reduce,
-            )
-
-
-def lamb_update(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    corrections: Tensor | tuple[list[float], list[float]],
-    *,
-    count: int,
-    lr: float | Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    max_trust: float,
-    norm_reduce: NormReduce | None = None,
-) -> None:
-    """The LAMB update in place: the first ``count`` tensors adapted, the rest excluded (see :class:`LAMB`).
-
-    ``corrections`` is ``[1 / (1 - beta1^t), (1 - beta2^t)^-0.5]`` per tensor (``t`` its step count): two
-    lists of floats, or a ``(2, n)`` tensor (the compiled path). ``lr`` may be a 0-dim tensor (the compiled
-    path passes one so that a changing learning rate does not recompile). With ``norm_reduce`` the tensors
-    are local shards and the norms are summed over the shards (:func:`layer_norms`).
-    """
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-    # u = m / bc1 / (sqrt(v) / sqrt(bc2) + eps), bias corrections per tensor.
-    inv_bc1: list[float] | list[Tensor]
-    inv_sqrt_bc2: list[float] | list[Tensor]
-    if isinstance(corrections, Tensor):
-        inv_bc1, inv_sqrt_bc2 = (list(row.unbind(0)) for row in corrections)
-    else:
-        inv_bc1, inv_sqrt_bc2 = corrections
-    denom = list(torch._foreach_sqrt(exp_avg_sqs))
-    torch._foreach_mul_(denom, inv_sqrt_bc2)
-    torch._foreach_add_(denom, eps)
-    updates = list(torch._foreach_div(exp_avgs, denom))
-    torch._foreach_mul_(updates, inv_bc1)
-
-    params_a, updates_a = params[:count], updates[:count]
-    scale: Coeff = -lr
-    if count:
-        if weight_decay != 0:
-            torch._foreach_add_(updates_a, params_a, alpha=weight_decay)
-        norms = layer_norms(params_a + updates_a, norm_reduce)
-        weight_norms, update_norms = norms[:count], norms[count:]
-        ratio = weight_norms / update_norms
-        if max_trust > 0:
-            ratio = ratio.clamp(max=max_trust)
-        usable = (weight_norms > 0) & (update_norms > 0)
-        scale = list(torch.where(usable, ratio, 1.0).mul(-lr).unbind(0))
-    _axpy(params_a, updates_a, scale)
-    _axpy(params[count:], updates[count:], -lr)

@@ -32,26 +32,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
 import shutil
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kaisoku.data.loading.counters import worker_slot
+from kaisoku.data.node_cache.local_tier import prepare_local_tier
+from kaisoku.data.node_cache.reader_state import HeldShards, ReadingTicket, StopFlag, map_file, staged_tier
 from kaisoku.data.node_cache.stager import (
     COUNTERS,
     EPOCH_SHIFT,
     EPOCH_SLOT,
     FLAG_LOCAL,
     FLAG_PENDING,
-    FLAG_RAM,
     LOCAL_ON_SLOT,
     RAM_ON_SLOT,
     STATE_RUNNING,
@@ -59,12 +58,10 @@ from kaisoku.data.node_cache.stager import (
     ControlFiles,
     Stager,
     TierPaths,
-    file_crc32,
     progress_ticket,
-    staged_shard,
 )
 from kaisoku.data.node_cache.staging import CacheEvent, StagingSchedule, sampler_trace_fn
-from kaisoku.data.node_cache.tier_dirs import unwritable_ram_dir
+from kaisoku.data.node_cache.tier_dirs import unwritable_ram_dir, wait_until_prepared
 from kaisoku.errors import KaisokuError
 from kaisoku.fsutil import atomic_write_text
 
@@ -72,27 +69,6 @@ if TYPE_CHECKING:
     from kaisoku.data.order.sampler import EpochSampler
 
 log = logging.getLogger(__name__)
-
-
-class StopFlag(Protocol):
-    """What tells a read ahead of training that its batch is no longer wanted: a ``threading.Event``, or a
-    ``multiprocessing`` one for DataLoader workers."""
-
-    def is_set(self) -> bool:
-        """True once the batches being read are dropped."""
-        ...
-
-
-class _ReadingTicket(threading.local):
-    """Per thread: the progress ticket of the batch it reads (see :meth:`NodeCache.reading_for`), or -1,
-    and the flag that withdraws it."""
-
-    ticket: int = -1
-    stop: StopFlag | None = None
-
-    def current(self) -> int:
-        """The ticket, or -1 once its batch is dropped."""
-        return -1 if self.stop is not None and self.stop.is_set() else self.ticket
 
 
 class NodeCache:
@@ -156,7 +132,6 @@ class NodeCache:
         self.reused_local: list[int] = []
         self._source_reader = source_reader  # the stager's way to read a source file (default: read it)
         """Shards found staged in the local tier at start-up (size and CRC checked) and kept."""
-        self._source_held = 0
         self._given_shard_bytes = None if shard_bytes is None else [int(b) for b in shard_bytes]
         if self._given_shard_bytes is not None and len(self._given_shard_bytes) != self.num_shards:
             raise KaisokuError(
@@ -167,9 +142,9 @@ class NodeCache:
             self.ram_dir / "shards",
             self.local_dir / "kaisoku-shards" if self.local_dir else None,
         )
-        self._maps: OrderedDict[int, tuple[str, memoryview]] = OrderedDict()
+        self._held = HeldShards(self.max_open, self.max_source_bytes)
         self._lock = threading.RLock()
-        self._reading = _ReadingTicket()
+        self._reading = ReadingTicket()
         self._stager: Stager | None = None
         self._warned: set[str] = set()
         # Only the process that prepared the node (not a forked DataLoader worker) stages or deletes files.
@@ -257,11 +232,14 @@ class NodeCache:
         if self.paths.local is None or self.local_capacity == 0:
             return False
         try:
-            if self._shard_crcs is None:
-                shutil.rmtree(self.paths.local, ignore_errors=True)
-            self.paths.local.mkdir(parents=True, exist_ok=True)
-            if self._shard_crcs is not None:
-                self._reuse_local()
+            prepare_local_tier(
+                self.paths.local,
+                source_paths=self.source_paths,
+                shard_bytes=self._given_shard_bytes,
+                crcs=self._shard_crcs,
+                capacity=self.local_capacity,
+                kept=self.reused_local,
+            )
         except OSError as error:
             self._warn_tier_off(
                 "local", f"local cache {self.local_dir} is not writable ({error.strerror or error})"
@@ -269,52 +247,8 @@ class NodeCache:
             return False
         return True
 
-    def _reuse_local(self) -> None:
-        """Keep the staged shards whose size and CRC32 match the index (up to the capacity); drop the rest."""
-        assert self.paths.local is not None and self._shard_crcs is not None
-        sizes = self._given_shard_bytes or [os.stat(p).st_size for p in self.source_paths]
-        budget, kept_bytes, start = self.local_capacity, 0, time.perf_counter()
-        for path in sorted(self.paths.local.iterdir()):
-            shard = staged_shard(path.name)
-            shard = shard if shard is not None and shard < self.num_shards and path.is_file() else None
-            if (
-                shard is not None
-                and path.stat().st_size == sizes[shard] <= budget
-                and (file_crc32(path) == self._shard_crcs[shard])
-            ):
-                self.reused_local.append(shard)
-                budget -= sizes[shard]
-                kept_bytes += sizes[shard]
-            elif path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-        if self.reused_local:
-            log.warning(
-                "reusing %d shards (%d bytes) staged in %s by an earlier run (size and CRC32 checked in %.1f s)",
-                len(self.reused_local),
-                kept_bytes,
-                self.paths.local,
-                time.perf_counter() - start,
-            )
-
     def _attach(self) -> None:
-        ready = self.ram_dir / "ready"
-        deadline = time.monotonic() + self.wait_timeout
-        delay = 0.002
-        while True:
-            try:
-                if ready.read_text() == self.run_token:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise KaisokuError(
-                    f"the node cache in {self.ram_dir} was not prepared by local rank 0 within "
-                    f"{self.wait_timeout:.0f} s; every rank of a node must use the same data.ram_dir and run"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+        wait_until_prepared(self.ram_dir, self.run_token, self.wait_timeout)
         self.files = ControlFiles.open(self.ram_dir, self.ranks_per_node, self.reader_slots)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -339,10 +273,9 @@ class NodeCache:
             self.ram_dir / "shards",
             self.local_dir / "kaisoku-shards" if self.local_dir else None,
         )
-        self._maps = OrderedDict()
+        self._held = HeldShards(self.max_open, self.max_source_bytes)
         self._lock = threading.RLock()
-        self._reading = _ReadingTicket()
-        self._source_held = 0
+        self._reading = ReadingTicket()
         self._stager = None
         self._warned = set()
         self._owner_pid = None
@@ -392,14 +325,6 @@ class NodeCache:
         finally:
             self._reading.ticket, self._reading.stop = previous
 
-    @staticmethod
-    def _staged_tier(flags: int) -> str | None:
-        if flags & FLAG_RAM:
-            return "ram"
-        if flags & FLAG_LOCAL:
-            return "local"
-        return None
-
     def _resolve(self, shard: int) -> str:
         """The tier holding ``shard`` now: ram, local, or source; waits while it is being staged.
 
@@ -415,7 +340,7 @@ class NodeCache:
         deadline: float | None = None
         delay = 0.001
         while True:
-            tier = self._staged_tier(int(self.files.flags[shard]))
+            tier = staged_tier(int(self.files.flags[shard]))
             if tier is not None:
                 return tier
             running = int(self.files.control[STATE_SLOT]) == STATE_RUNNING
@@ -423,7 +348,7 @@ class NodeCache:
             planning_behind = int(self.files.control[EPOCH_SLOT]) < mine >> EPOCH_SHIFT
             due = mine >= 0 and int(self.files.next_load[shard]) <= mine
             flags = int(self.files.flags[shard])
-            tier = self._staged_tier(flags)
+            tier = staged_tier(flags)
             if tier is not None:
                 return tier
             if not running or not (flags & FLAG_PENDING or planning_behind or due):
@@ -440,52 +365,15 @@ class NodeCache:
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
 
-    def _cached_map(self, shard: int) -> memoryview | None:
-        entry = self._maps.get(shard)
-        if entry is None:
-            return None
-        tier, view = entry
-        flags = int(self.files.flags[shard])
-        still_there = (tier == "ram" and flags & FLAG_RAM) or (tier == "local" and flags & FLAG_LOCAL)
-        if tier == "source" or still_there:
-            self._maps.move_to_end(shard)
-            return view
-        self._forget(shard)  # evicted from that tier: drop the mapping so its memory can be freed
-        return None
-
-    def _remember(self, shard: int, tier: str, view: memoryview) -> memoryview:
-        self._forget(shard)
-        self._maps[shard] = (tier, view)
-        if tier == "source":
-            self._source_held += len(view)
-        # Bounded by count (mappings) and by bytes (private copies of source shards); never the newest.
-        while len(self._maps) > 1 and (
-            len(self._maps) > self.max_open or self._source_held > self.max_source_bytes
-        ):
-            self._forget(next(iter(self._maps)))
-        return view
-
-    def _forget(self, shard: int) -> None:
-        entry = self._maps.pop(shard, None)
-        if entry is not None and entry[0] == "source":
-            self._source_held -= len(entry[1])
-
     def held_bytes(self) -> int:
         """Bytes of shards this process holds as private copies read from the source."""
-        return self._source_held
+        return self._held.source_bytes
 
     def tier_of(self, shard: int) -> str:
         """The tier this process last read ``shard`` from (ram, local or source)."""
         with self._lock:
-            entry = self._maps.get(shard)
-        return entry[0] if entry is not None else "source"
-
-    def _map_file(self, path: Path) -> memoryview:
-        with open(path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            if size == 0:
-                return memoryview(b"")
-            return memoryview(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
+            tier = self._held.tier_of(shard)
+        return tier if tier is not None else "source"
 
     def shard_buffer(self, shard: int) -> memoryview:
         """The whole shard's bytes: mapped from RAM or local disk, else read from the source (counted).
@@ -494,7 +382,7 @@ class NodeCache:
         held while waiting for a shard to be staged or reading it, so other threads go on meanwhile.
         """
         with self._lock:
-            view = self._cached_map(shard)
+            view = self._held.get(shard, self.files.flags)
         if view is not None:
             return view
         for _ in range(3):
@@ -502,15 +390,15 @@ class NodeCache:
             if tier == "source":
                 break
             try:
-                view = self._map_file(self.paths.path(tier, shard))
+                view = map_file(self.paths.path(tier, shard))
             except FileNotFoundError:
                 continue  # evicted between the flag check and the open: look again
             self._count(f"{tier}_opens")
             with self._lock:
-                return self._remember(shard, tier, view)
+                return self._held.add(shard, tier, view)
         data = memoryview(self._read_source(shard))
         with self._lock:
-            return self._remember(shard, "source", data)
+            return self._held.add(shard, "source", data)
 
     def _read_source(self, shard: int) -> bytes:
         data = self.source_paths[shard].read_bytes()
@@ -589,8 +477,7 @@ class NodeCache:
         """
         if self._stager is not None:
             self._stager.stop()
-        self._maps.clear()
-        self._source_held = 0
+        self._held.clear()
         if remove_files and self._owner_pid == os.getpid():
             shutil.rmtree(self.paths.ram, ignore_errors=True)
             names = [name for name, _, _ in ControlFiles.layout(self.num_shards, self.ranks_per_node)]

@@ -3,7 +3,8 @@
 A run's RAM directory (under ``data.ram_dir``, on /dev/shm) holds its RAM tier, the node's control files
 and exchanged samples; it names its owning process, so that a later start on the host removes the
 directories of runs that ended without cleaning up (killed, out of memory). The local tier's capacity,
-when only its directory is given, is the free space of its file system less a margin.
+when only its directory is given, is the free space of its file system less a margin. The other ranks of
+a node wait for local rank 0 to prepare the node cache in the RAM directory (its ``ready`` file).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 from kaisoku.errors import KaisokuError
@@ -106,3 +108,24 @@ def unwritable_ram_dir(path: Path, error: OSError) -> NodeCacheError:
         f"cannot write to data.ram_dir {path} ({error.strerror or error}); "
         "set --data.ram-dir to a writable directory (e.g. under /dev/shm)"
     )
+
+
+def wait_until_prepared(ram_dir: Path, run_token: str, timeout: float) -> None:
+    """Wait until local rank 0 has prepared the node cache in ``ram_dir`` for the run ``run_token`` (its
+    ``ready`` file names the run); ``KaisokuError`` after ``timeout`` seconds."""
+    ready = ram_dir / "ready"
+    deadline = time.monotonic() + timeout
+    delay = 0.002
+    while True:
+        try:
+            if ready.read_text() == run_token:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise KaisokuError(
+                f"the node cache in {ram_dir} was not prepared by local rank 0 within "
+                f"{timeout:.0f} s; every rank of a node must use the same data.ram_dir and run"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -34,14 +33,24 @@ from typing import Any
 import numpy as np
 
 from kaisoku.data.shards.codecs import codec_names
-from kaisoku.data.shards.tables import (
-    TABLES_NAME,
-    check_offsets,
-    column_table,
-    describe_tables,
-    map_tables,
-    write_tables,
+from kaisoku.data.shards.index_checks import (
+    check_int_columns,
+    check_labels,
+    check_num_samples,
+    check_shard_name,
+    check_table_offsets,
+    check_tables,
+    check_task,
+    check_v1_shard,
+    require,
 )
+from kaisoku.data.shards.schema import (
+    FIELD_KINDS,  # noqa: F401  (its public home was this module)
+    TASKS,  # noqa: F401  (its public home was this module)
+    Field,
+    task_of,
+)
+from kaisoku.data.shards.tables import TABLES_NAME, column_table, describe_tables, map_tables, write_tables
 from kaisoku.errors import DamagedDataError, KaisokuError
 from kaisoku.fsutil import atomic_open, atomic_write_text
 
@@ -64,14 +73,6 @@ INDEX_NAME = "index.json"
 SHARD_SUFFIX = ".kshard"
 """File name suffix of shard files."""
 
-FIELD_KINDS = ("image", "int", "bytes", "str", "array")
-"""Field kinds: ``image`` encoded image bytes (never compressed again, decoded late); ``int`` a
-64-bit integer (also kept as an index column); ``bytes``/``str``/``array`` payloads passed through
-the codec (``array`` has a fixed dtype and shape)."""
-
-_ARRAY_DTYPE_KINDS = "biufc"  # numeric only: no object dtype, so nothing can smuggle pickle in
-_SHARD_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
-
 
 def shard_file_name(shard_id: int) -> str:
     """The file name of shard ``shard_id``."""
@@ -81,57 +82,6 @@ def shard_file_name(shard_id: int) -> str:
 # ---------------------------------------------------------------------------------------------
 # Schema and index
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class Field:
-    """One named field of every record."""
-
-    name: str
-    """Field name, the key in a sample dict (e.g. ``image``, ``label``)."""
-
-    kind: str
-    """One of :data:`FIELD_KINDS`."""
-
-    dtype: str | None = None
-    """``array`` fields only: numpy dtype string with explicit byte order (``"|u1"``, ``"<f4"``)."""
-
-    shape: tuple[int, ...] | None = None
-    """``array`` fields only: the shape of every value."""
-
-    def __post_init__(self) -> None:
-        if not self.name or not isinstance(self.name, str):
-            raise KaisokuError(f"field names must be non-empty strings, got {self.name!r}")
-        if self.kind not in FIELD_KINDS:
-            raise KaisokuError(
-                f"field {self.name!r} has unknown kind {self.kind!r}; use one of {', '.join(FIELD_KINDS)}"
-            )
-        if self.kind == "array":
-            if self.dtype is None or self.shape is None:
-                raise KaisokuError(f"array field {self.name!r} needs a dtype and a shape")
-            dtype = np.dtype(self.dtype)
-            if dtype.kind not in _ARRAY_DTYPE_KINDS or dtype.fields is not None:
-                raise KaisokuError(
-                    f"array field {self.name!r} has dtype {self.dtype!r}; "
-                    "only plain numeric dtypes are stored"
-                )
-            if any(int(d) < 0 for d in self.shape):
-                raise KaisokuError(f"array field {self.name!r} has a negative dimension in {self.shape}")
-        elif self.dtype is not None or self.shape is not None:
-            raise KaisokuError(f"field {self.name!r} of kind {self.kind!r} takes no dtype or shape")
-
-    @property
-    def compressed(self) -> bool:
-        """Whether this field's payload goes through the codec."""
-        return self.kind in ("bytes", "str", "array")
-
-    def to_json(self) -> dict[str, Any]:
-        """The field as it appears in the index."""
-        out: dict[str, Any] = {"name": self.name, "kind": self.kind}
-        if self.kind == "array":
-            out["dtype"] = self.dtype
-            out["shape"] = list(self.shape or ())
-        return out
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -299,29 +249,6 @@ class Index:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")) + "\n"
 
 
-def _require(condition: bool, path: Path, what: str) -> None:
-    if not condition:
-        raise DamagedDataError(f"index {path} is damaged: {what}; re-pack the dataset")
-
-
-def _check_labels(index: Index, where: Path) -> Index:
-    """``index`` once its labels fit its own ``classes`` (a label past the list would reach the model as a
-    class it does not have); DamagedDataError naming the field otherwise."""
-    labels = index.columns.get("label")
-    if index.task != "classification" or labels is None or labels.size == 0:
-        return index
-    low, high = int(labels.min()), int(labels.max())
-    _require(low >= 0, where, f"field 'label' holds {low}, below 0")
-    if index.classes is not None:
-        _require(
-            high < len(index.classes),
-            where,
-            f"field 'label' goes up to {high}, but 'classes' names {len(index.classes)} "
-            f"(labels 0..{len(index.classes) - 1})",
-        )
-    return index
-
-
 def index_from_json(document: Any, root: Path, *, index_path: Path | None = None) -> Index:
     """Validate a parsed index document and build an :class:`Index` (shards under ``root``)."""
     where = index_path or root / INDEX_NAME
@@ -348,28 +275,17 @@ def index_from_json(document: Any, root: Path, *, index_path: Path | None = None
         )
     try:
         if version >= 2:
-            return _check_labels(_index_v2(document, root, where), where)
+            return _checked_labels(_index_v2(document, root, where), where)
         codec, fields = _header(document, where)
         shards = []
         for position, entry in enumerate(document["shards"]):
             name = entry["file"]
-            _require(
-                isinstance(name, str) and bool(_SHARD_NAME.match(name)) and name not in (".", ".."),
-                where,
-                f"shard {position} has a bad file name {name!r}",
-            )
+            check_shard_name(position, name, where)
             samples = int(entry["samples"])
             offsets = np.asarray(entry["offsets"], dtype=np.int64)
             record_crc = np.asarray(entry["record_crc32"], dtype=np.uint32)
             nbytes = int(entry["bytes"])
-            _require(samples > 0, where, f"shard {name} has no samples")
-            _require(offsets.shape == (samples + 1,), where, f"shard {name} needs {samples + 1} offsets")
-            _require(record_crc.shape == (samples,), where, f"shard {name} needs {samples} record checksums")
-            _require(
-                int(offsets[0]) == 0 and int(offsets[-1]) == nbytes and bool(np.all(np.diff(offsets) > 0)),
-                where,
-                f"shard {name} has offsets that do not tile its {nbytes} bytes",
-            )
+            check_v1_shard(name, samples, offsets, record_crc, nbytes, where)
             shards.append(
                 ShardInfo(
                     file=name,
@@ -381,19 +297,17 @@ def index_from_json(document: Any, root: Path, *, index_path: Path | None = None
                 )
             )
         total = sum(s.samples for s in shards)
-        declared = int(document.get("num_samples", total))
-        _require(declared == total, where, f"num_samples {declared} != {total}, the sum over shards")
+        check_num_samples(document, total, where)
         columns = {}
         for name, values in (document.get("columns") or {}).items():
             column = np.asarray(values, dtype=np.int64)
-            _require(
+            require(
                 column.shape == (total,), where, f"column {name!r} has {column.size} entries, not {total}"
             )
             columns[name] = column
-        for f in fields:
-            _require(f.kind != "int" or f.name in columns, where, f"int field {f.name!r} has no column")
+        check_int_columns((f.name for f in fields if f.kind == "int"), columns, where)
         classes = document.get("classes")
-        return _check_labels(
+        return _checked_labels(
             Index(
                 root=root,
                 codec=codec,
@@ -405,7 +319,7 @@ def index_from_json(document: Any, root: Path, *, index_path: Path | None = None
                 pack=dict(document.get("pack") or {}),
                 skipped=tuple(str(s) for s in document.get("skipped") or ()),
                 version=version,
-                **_task(document, fields, where),
+                **check_task(document, {f.name for f in fields}, where),
             ),
             where,
         )
@@ -417,9 +331,15 @@ def index_from_json(document: Any, root: Path, *, index_path: Path | None = None
         ) from None
 
 
+def _checked_labels(index: Index, where: Path) -> Index:
+    """``index`` once its labels fit its own ``classes`` (:func:`check_labels`)."""
+    check_labels(index.columns, index.task, index.classes, where)
+    return index
+
+
 def _header(document: Mapping[str, Any], where: Path) -> tuple[str, tuple[Field, ...]]:
     codec = document["codec"]
-    _require(str(codec).partition("@")[0] in codec_names(), where, f"unknown codec {codec!r}")
+    require(str(codec).partition("@")[0] in codec_names(), where, f"unknown codec {codec!r}")
     fields = tuple(
         Field(
             name=f["name"],
@@ -429,32 +349,9 @@ def _header(document: Mapping[str, Any], where: Path) -> tuple[str, tuple[Field,
         )
         for f in document["fields"]
     )
-    _require(len(fields) > 0, where, "no fields")
-    _require(len({f.name for f in fields}) == len(fields), where, "duplicate field names")
+    require(len(fields) > 0, where, "no fields")
+    require(len({f.name for f in fields}) == len(fields), where, "duplicate field names")
     return codec, fields
-
-
-TASKS = ("classification", "regression")
-"""Dataset tasks an index can declare."""
-
-
-def task_of(fields: Sequence[Field]) -> dict[str, str]:
-    """``{"task", "target"}`` of a schema: regression when a float array field ``y`` holds the targets
-    (a packed ``.npz`` whose ``y_<split>`` is float), else classification."""
-    for f in fields:
-        if f.name == "y" and f.kind == "array" and f.dtype is not None and np.dtype(f.dtype).kind == "f":
-            return {"task": "regression", "target": f.name}
-    return {"task": "classification", "target": "label"}
-
-
-def _task(document: Mapping[str, Any], fields: Sequence[Field], where: Path) -> dict[str, str]:
-    task = str(document.get("task", "classification"))
-    _require(task in TASKS, where, f"unknown task {task!r}")
-    if task == "classification":
-        return {"task": task, "target": "label"}
-    target = str(document.get("target", ""))
-    _require(any(f.name == target for f in fields), where, f"target field {target!r} is not a field")
-    return {"task": task, "target": target}
 
 
 def _index_v2(document: Mapping[str, Any], root: Path, where: Path) -> Index:
@@ -463,45 +360,29 @@ def _index_v2(document: Mapping[str, Any], root: Path, where: Path) -> Index:
     entries = document["shards"]
     names = [entry["file"] for entry in entries]
     for position, name in enumerate(names):
-        _require(
-            isinstance(name, str) and bool(_SHARD_NAME.match(name)) and name not in (".", ".."),
-            where,
-            f"shard {position} has a bad file name {name!r}",
-        )
+        check_shard_name(position, name, where)
     samples = np.fromiter((int(e["samples"]) for e in entries), dtype=np.int64, count=len(entries))
     nbytes = np.fromiter((int(e["bytes"]) for e in entries), dtype=np.int64, count=len(entries))
-    _require(bool(np.all(samples > 0)), where, "a shard has no samples")
+    require(bool(np.all(samples > 0)), where, "a shard has no samples")
     total = int(samples.sum())
-    declared = int(document.get("num_samples", total))
-    _require(declared == total, where, f"num_samples {declared} != {total}, the sum over shards")
+    check_num_samples(document, total, where)
     described = document["tables"]
     tables = map_tables(root, described, where)
     table_path = root / str(described.get("file", TABLES_NAME))
     column_names = list(document.get("columns") or [])
-    for name, need in (("offsets", total + len(entries)), ("record_crc32", total)):
-        got = tables[name].size if name in tables else None
-        if got != need:
-            raise DamagedDataError(
-                f"index table {name!r} in {table_path} has {got} entries, the shards in {where} need {need}; "
-                "re-pack the dataset"
-            )
-    for name in column_names:
-        got = tables[column_table(name)].size if column_table(name) in tables else None
-        if got != total:
-            raise DamagedDataError(
-                f"index table {column_table(name)!r} in {table_path} has {got} entries, not {total}; "
-                "re-pack the dataset"
-            )
-    for f in fields:
-        _require(f.kind != "int" or f.name in column_names, where, f"int field {f.name!r} has no column")
+    check_tables(
+        tables,
+        num_shards=len(entries),
+        total=total,
+        column_names=column_names,
+        table_path=table_path,
+        where=where,
+    )
+    check_int_columns((f.name for f in fields if f.kind == "int"), column_names, where)
     firsts = np.zeros(len(entries), dtype=np.int64)
     np.cumsum(samples[:-1] + 1, out=firsts[1:])
     offsets, record_crc = tables["offsets"], tables["record_crc32"]
-    problem = check_offsets(offsets, firsts, samples, nbytes, names)
-    if problem is not None:
-        raise DamagedDataError(
-            f"index table {table_path} does not match the shards: {problem}; re-pack the dataset"
-        )
+    check_table_offsets(offsets, firsts, samples, nbytes, names, table_path)
     starts = firsts - np.arange(len(entries), dtype=np.int64)
     shards = tuple(
         ShardInfo(
@@ -527,7 +408,7 @@ def _index_v2(document: Mapping[str, Any], root: Path, where: Path) -> Index:
         skipped=tuple(str(s) for s in document.get("skipped") or ()),
         version=2,
         tables=dict(described),
-        **_task(document, fields, where),
+        **check_task(document, {f.name for f in fields}, where),
     )
 
 

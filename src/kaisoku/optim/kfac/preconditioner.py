@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -15,8 +14,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from kaisoku.config_sections import kfac_choices, kfac_setting_error
 from kaisoku.errors import ConfigError
-from kaisoku.optim.kfac.assignment import decomposition_cost, greedy_assignment, rank_loads
+from kaisoku.optim.kfac.assignment import rank_loads
 from kaisoku.optim.kfac.checkpoint import load_state, save_state
+from kaisoku.optim.kfac.decompositions import (
+    MAX_DAMPING_RAISES,
+    FactorDecompositions,
+    KFACWarning,  # noqa: F401  (its public home was this module)
+    raise_damping_floor,
+)
+from kaisoku.optim.kfac.discovery import hook_layers
 from kaisoku.optim.kfac.distributed import (
     BucketedAllReduce,
     Communicator,
@@ -25,18 +31,8 @@ from kaisoku.optim.kfac.distributed import (
     resolve_group,
 )
 from kaisoku.optim.kfac.intervals import MAX_INTERVAL, IntervalTuner
-from kaisoku.optim.kfac.layers import (
-    BatchNormLayer,
-    Clock,
-    KFACLayer,
-    KroneckerLayer,
-    SingularFactorError,
-    classify,
-    damped_inverse,
-    precondition_eigen,
-    precondition_inverse,
-    symmetric_eigen,
-)
+from kaisoku.optim.kfac.layers import BatchNormLayer, Clock, KFACLayer, KroneckerLayer
+from kaisoku.optim.kfac.running_averages import blend_factors, statistics_to_reduce
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -51,16 +47,6 @@ MEMORY_MODES = kfac_choices("memory_mode")
 BN_MODES = kfac_choices("bn")
 #: ``factor_dtype`` name -> dtype of the Kronecker factors' statistics and storage.
 FACTOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-# How often a failing decomposition is retried with ten times the damping before the layer falls back
-# to its plain gradient for this step.
-_MAX_DAMPING_RAISES = 8
-# Damping a singular factor is raised to at least, when the configured damping is zero.
-_MIN_RAISED_DAMPING = 1e-6
-
-
-class KFACWarning(RuntimeWarning):
-    """A factor was singular or not finite; K-FAC raised damping or skipped the statistics."""
 
 
 def _at(schedule: IntSchedule | FloatSchedule, step: int) -> Any:
@@ -206,30 +192,16 @@ class KFAC:
         self.on_intervals: Callable[[dict[str, Any], str], None] | None = None
 
         inner = model.module if isinstance(model, DistributedDataParallel) else model
-        skip = set(skip_layers)
-        self.layers: dict[str, KFACLayer] = {}
-        skipped: list[str] = []
-        opaque: list[str] = []  # modules whose sub-layers are never called as modules (attention)
-        for name, module in inner.named_modules():
-            if name in skip or type(module).__name__ in skip:
-                continue
-            if any(not prefix or name.startswith(prefix + ".") for prefix in opaque):
-                continue
-            if isinstance(module, nn.MultiheadAttention):
-                opaque.append(name)
-            layer_class, reason = classify(module, bn)
-            if layer_class is None:
-                if reason is not None:
-                    skipped.append(f"{name or '<root>'} ({reason})")
-                continue
-            if layer_class is BatchNormLayer:
-                layer: KFACLayer = BatchNormLayer(name, module, unit_wise=bn == "unit")
-            else:
-                layer = layer_class(name, module)
-                layer.stat_fraction = stat_fraction
-                layer.factor_dtype = FACTOR_DTYPES[factor_dtype]
-            layer.register(self._collecting, self._grad_scale, self.clock)
-            self.layers[name] = layer
+        self.layers, skipped = hook_layers(
+            inner,
+            bn=bn,
+            skip_layers=skip_layers,
+            stat_fraction=stat_fraction,
+            factor_dtype=FACTOR_DTYPES[factor_dtype],
+            collecting=self._collecting,
+            grad_scale=self._grad_scale,
+            clock=self.clock,
+        )
         if skipped:
             logger.warning(
                 "K-FAC leaves %d layer(s) of unsupported types to the base optimizer: %s",
@@ -239,23 +211,14 @@ class KFAC:
         self.skipped_layers = skipped
         self.clock.sync = self._tuner is not None and any(p.is_cuda for p in inner.parameters())
 
-        # Work items: one per factor in "full" mode (finer balance), one per layer in "owner" mode (the
-        # owner needs both factors to precondition).
+        # Who decomposes which factor, and the decompositions this rank holds (see FactorDecompositions).
         self._kron = [layer for layer in self.layers.values() if isinstance(layer, KroneckerLayer)]
-        costs: dict[str, float] = {}
-        for layer in self._kron:
-            dims = [shape[0] for shape in layer.factor_shapes()]
-            if memory_mode == "owner":
-                costs[layer.name] = decomposition_cost(dims)
-            else:
-                for factor_name, dim in zip(layer.factor_names, dims):
-                    costs[f"{layer.name}#{factor_name}"] = decomposition_cost([dim])
-        self.work_costs = costs
-        self.assignment = greedy_assignment(costs, self.comm.world_size)
-        # name -> per factor: [eigenvectors, eigenvalues] or [inverse], or None when not held here.
-        self._decompositions: dict[str, list[list[torch.Tensor] | None]] = {
-            layer.name: [None, None] for layer in self._kron
-        }
+        self.factor_decompositions = FactorDecompositions(
+            self._kron, method=method, memory_mode=memory_mode, comm=self.comm
+        )
+        self.work_costs = self.factor_decompositions.work_costs
+        self.assignment = self.factor_decompositions.assignment
+        self._decompositions = self.factor_decompositions.held
 
     # -- schedule ------------------------------------------------------------------------------------
     def _collecting(self) -> bool:
@@ -277,9 +240,7 @@ class KFAC:
 
     def owner(self, layer_name: str, factor_index: int) -> int:
         """The rank that decomposes factor ``factor_index`` (0 = A, 1 = G) of a Kronecker layer."""
-        if self.memory_mode == "owner":
-            return self.assignment[layer_name]
-        return self.assignment[f"{layer_name}#{KroneckerLayer.factor_names[factor_index]}"]
+        return self.factor_decompositions.owner(layer_name, factor_index)
 
     def rank_loads(self) -> list[float]:
         """Decomposition cost (sum of factor sizes cubed) each rank carries."""
@@ -356,21 +317,15 @@ class KFAC:
         arrives, decomposing the owned ones on a decomposition step while later buckets are in flight."""
         start = time.perf_counter()
         layers = list(self.layers.values())
-        items: list[list[torch.Tensor]] = []
-        for layer in layers:
-            # Reduced and blended in float32 whatever the factor dtype: sums over ranks lose nothing.
-            tensors = [
-                torch.zeros(shape, device=layer.device) if stat is None else stat.float()
-                for stat, shape in zip(layer.stat_sums, layer.factor_shapes())
-            ]
-            tensors.append(torch.tensor(layer.stat_counts, dtype=torch.float32, device=layer.device))
-            items.append(tensors)
+        items = [statistics_to_reduce(layer) for layer in layers]
         reducer = BucketedAllReduce(items, self.comm, self._bucket_elements)
         self.clock.add("communication", time.perf_counter() - start)
         decompose_seconds = 0.0
         for index, reduced in reducer:
             layer = layers[index]
-            self._blend(layer, reduced[:-1], reduced[-1])
+            decay = float(_at(self.factor_decay, self.steps))
+            damping = float(_at(self.damping, self.steps))
+            blend_factors(layer, reduced[:-1], reduced[-1], decay=decay, damping=damping, step=self.steps)
             if decompose_damping is not None and isinstance(layer, KroneckerLayer):
                 t0 = time.perf_counter()
                 self._decompose_owned(layer, decompose_damping, timed=False)
@@ -379,50 +334,6 @@ class KFAC:
         self.clock.add("decomposition", decompose_seconds)
         total = time.perf_counter() - start
         self.clock.add("factor", max(0.0, total - reducer.wait_seconds - decompose_seconds))
-
-    def _blend(self, layer: KFACLayer, sums: list[torch.Tensor], counts: torch.Tensor) -> None:
-        decay = float(_at(self.factor_decay, self.steps))
-        fresh = [total / count for total, count in zip(sums, counts.unbind(0))]
-        olds = list(layer.factors)
-        # The counts and every finiteness check reach the host in one transfer (one GPU synchronisation).
-        checks = [torch.isfinite(f).all() for f in fresh]
-        checks += [torch.isfinite(old).all() if old is not None else checks[0].new_ones(()) for old in olds]
-        n = len(fresh)
-        host = torch.cat([counts.float().flatten(), torch.stack(checks).float()]).tolist()
-        for index, (count, fresh_finite, old_finite) in enumerate(
-            zip(host[:n], host[n : 2 * n], host[2 * n :])
-        ):
-            old = olds[index]
-            if count <= 0:
-                continue
-            if not fresh_finite:
-                warnings.warn(
-                    f"K-FAC: statistics of factor {layer.factor_names[index]} of layer '{layer.name}' "
-                    f"are not finite at step {self.steps}; this update of the factor is skipped",
-                    KFACWarning,
-                    stacklevel=3,
-                )
-                continue
-            dtype = layer.factor_dtype
-            if old is None:
-                layer.factors[index] = fresh[index].to(dtype, copy=True)
-            elif not old_finite:
-                layer.factors[index] = fresh[index].to(dtype, copy=True)
-                self._raise_floor(layer, float(_at(self.damping, self.steps)), "a factor was not finite")
-            else:
-                # Blended in float32 and rounded once, so bfloat16 storage does not compound round-off.
-                layer.factors[index] = (old.float() * decay + fresh[index] * (1.0 - decay)).to(dtype)
-
-    def _raise_floor(self, layer: KFACLayer, damping: float, why: str) -> float:
-        effective = max(damping, layer.damping_floor)
-        layer.damping_floor = max(10.0 * effective, _MIN_RAISED_DAMPING)
-        warnings.warn(
-            f"K-FAC: {why} in layer '{layer.name}' at step {self.steps}; its damping is raised to "
-            f"{layer.damping_floor:.3g}",
-            KFACWarning,
-            stacklevel=4,
-        )
-        return layer.damping_floor
 
     def _decompose_owned(self, layer: KroneckerLayer, damping: float, timed: bool = True) -> None:
         start = time.perf_counter()
@@ -433,60 +344,16 @@ class KFAC:
             factor = layer.factors[index]
             if factor is None:
                 continue
-            held[index] = self._decompose(layer, factor.float(), damping)
+            held[index] = self.factor_decompositions.decompose(layer, factor.float(), damping, self.steps)
         if timed:
             self.clock.add("decomposition", time.perf_counter() - start)
-
-    def _decompose(self, layer: KFACLayer, factor: torch.Tensor, damping: float) -> list[torch.Tensor]:
-        dim = factor.shape[0]
-        if not bool(torch.isfinite(factor).all()):
-            # No damping fixes a NaN; the next factor update replaces the factor on every rank.
-            effective = self._raise_floor(layer, damping, "a factor was not finite")
-            eye = torch.eye(dim, device=factor.device)
-            if self.method == "eigen":
-                return [eye, torch.ones(dim, device=factor.device)]
-            return [eye / (1.0 + math.sqrt(effective))]
-        if self.method == "eigen":
-            try:
-                vectors, values = symmetric_eigen(factor)
-            except SingularFactorError as error:
-                self._raise_floor(layer, damping, f"eigendecomposition failed ({error})")
-                return [torch.eye(dim, device=factor.device), torch.ones(dim, device=factor.device)]
-            return [vectors, values]
-        effective = max(damping, layer.damping_floor)
-        for _ in range(_MAX_DAMPING_RAISES):
-            try:
-                return [damped_inverse(factor, math.sqrt(effective))]
-            except SingularFactorError as error:
-                effective = self._raise_floor(layer, damping, f"singular factor ({error})")
-        return [torch.eye(dim, device=factor.device) / (1.0 + math.sqrt(effective))]
 
     def _share_decompositions(self) -> None:
         """Owners broadcast what they computed; afterwards every rank holds every decomposition."""
         if not self.comm.distributed:
             return
         start = time.perf_counter()
-        per_rank: list[list[torch.Tensor]] = [[] for _ in range(self.comm.world_size)]
-        floors: list[tuple[KroneckerLayer, torch.Tensor]] = []
-        for layer in self._kron:
-            held = self._decompositions[layer.name]
-            for index, factor in enumerate(layer.factors):
-                if factor is None:
-                    continue
-                owner = self.owner(layer.name, index)
-                if owner == self.comm.rank:
-                    tensors = list(held[index] or [])
-                else:
-                    dim = factor.shape[0]
-                    shapes = [(dim, dim), (dim,)] if self.method == "eigen" else [(dim, dim)]
-                    tensors = [torch.empty(shape, device=factor.device) for shape in shapes]
-                    held[index] = tensors
-                floor = torch.tensor([layer.damping_floor], device=factor.device)
-                floors.append((layer, floor))
-                per_rank[owner].extend([*tensors, floor])
-        broadcast_from_owners(per_rank, self.comm)
-        for layer, floor in floors:
-            layer.damping_floor = max(layer.damping_floor, float(floor))
+        self.factor_decompositions.share()
         # Packing the buffers counts as communication too.
         self.clock.add("communication", time.perf_counter() - start)
 
@@ -500,11 +367,11 @@ class KFAC:
             if isinstance(layer, BatchNormLayer)
             else "the preconditioned gradient was not finite"
         )
-        for _ in range(_MAX_DAMPING_RAISES):
+        for _ in range(MAX_DAMPING_RAISES):
             result = self._precondition_unchecked(layer, grad, damping)
             if bool(torch.isfinite(result).all()):
                 return result
-            self._raise_floor(layer, damping, why)
+            raise_damping_floor(layer, damping, why, self.steps)
             if isinstance(layer, KroneckerLayer) and self.method == "inverse":
                 self._refresh = True
                 return grad
@@ -516,12 +383,7 @@ class KFAC:
         if isinstance(layer, BatchNormLayer):
             return layer.precondition(grad, effective)
         assert isinstance(layer, KroneckerLayer)
-        held = self._decompositions[layer.name]
-        if held[0] is None or held[1] is None:
-            return grad
-        if self.method == "inverse":
-            return precondition_inverse(grad, held[0][0], held[1][0])
-        return precondition_eigen(grad, held[0][0], held[0][1], held[1][0], held[1][1], effective)
+        return self.factor_decompositions.precondition(layer, grad, effective)
 
     def _precondition_all(self, damping: float) -> None:
         start = time.perf_counter()
@@ -613,4 +475,4 @@ class KFAC:
 
     def _needs_decomposition(self, layer_name: str, factor_index: int) -> bool:
         """Whether this rank uses the decomposition of that factor (all of them in "full" mode)."""
-        return self.memory_mode == "full" or self.owner(layer_name, factor_index) == self.comm.rank
+        return self.factor_decompositions.needed_here(layer_name, factor_index)
