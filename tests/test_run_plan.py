@@ -18,9 +18,10 @@ from kaisoku.config import Config, apply_override
 from kaisoku.data.loading.transforms import IMAGENET_MEAN, IMAGENET_STD
 from kaisoku.data.shards.writer import pack
 from kaisoku.errors import ConfigError
+from kaisoku.facts import DataFacts, WorldShape
 from kaisoku.parts import ModelSpec, UserParts
 from kaisoku.run_facts import check_config, describe_data, describe_model, plan_run
-from kaisoku.run_plan import DataFacts, WorldShape, resolve
+from kaisoku.run_plan import resolve
 
 IMAGES = DataFacts(
     source="packed", num_classes=10, num_samples=1000, has_val=True, root="/d", description="d"

@@ -7,8 +7,9 @@ import pytest
 from kaisoku.config import Config, apply_override
 from kaisoku.distributed.mesh import data_mesh_shape
 from kaisoku.errors import ConfigError
+from kaisoku.facts import DataFacts, WorldShape
 from kaisoku.run_facts import describe_model
-from kaisoku.run_plan import DataFacts, WorldShape, resolve
+from kaisoku.run_plan import resolve
 
 IMAGES = DataFacts(
     source="packed", num_classes=10, num_samples=1000, has_val=True, root="/d", description="d"

@@ -23,11 +23,12 @@ from kaisoku.data.shards.sources import class_folders, image_folder_splits
 from kaisoku.distributed.env import inside_slurm_step, inside_torchrun, planned_world_size, world_from_env
 from kaisoku.engine.structures import TARGET_KEYS
 from kaisoku.errors import ConfigError, KaisokuError
+from kaisoku.facts import DataFacts, DataSource, ModelFacts, WorldShape
 from kaisoku.models.blocks import ordered_blocks
 from kaisoku.models.zoo import build_model, is_zoo_model
 from kaisoku.parts import ModelSpec, UserParts, build_user_model
 from kaisoku.precision.quant import quantizable_layers
-from kaisoku.run_plan import DataFacts, DataSource, ModelFacts, RunPlan, WorldShape, resolve
+from kaisoku.run_plan import RunPlan, resolve
 
 
 def generated_source(cfg: Config) -> DataSource:

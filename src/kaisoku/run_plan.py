@@ -28,81 +28,15 @@ from kaisoku.distributed.layout import ParallelLayout, SwitchSchedule, check_par
 from kaisoku.distributed.mesh import DATA_MESH_DIM_NAMES, data_mesh_shape, rank_coordinates
 from kaisoku.engine.compile import compile_conflict
 from kaisoku.errors import ConfigError
+from kaisoku.facts import DataFacts, LossName, ModelFacts, ShardLevel, TaskKind, WorldShape
 from kaisoku.memory.checkpointing import parse_block_list
 from kaisoku.memory.in_backward import in_backward_conflict
 from kaisoku.memory.planner import check_memory_config
 from kaisoku.models.vit import check_vit_size
 from kaisoku.models.zoo import is_zoo_model
-from kaisoku.parts import ModelSpec
 from kaisoku.precision import mode_conflict
 from kaisoku.precision.fp8 import fp8_support
 from kaisoku.precision.quant import keep_names
-
-ShardLevel = Literal["none", "grad", "full"]
-DataSource = Literal["packed", "folder", "generated-shapes", "generated-cosmo", "user"]
-LossName = Literal["cross-entropy", "mse", "user"]
-TaskKind = Literal["classification", "token-classification", "language-model", "regression"]
-
-
-@dataclass(frozen=True)
-class WorldShape:
-    """How many ranks a run has and how they sit on nodes: all a plan needs of the world."""
-
-    world_size: int = 1
-    ranks_per_node: int = 1
-
-    @property
-    def num_nodes(self) -> int:
-        """Nodes of the run (ranks are spread evenly over them)."""
-        return max(1, self.world_size // max(1, self.ranks_per_node))
-
-
-@dataclass(frozen=True)
-class DataFacts:
-    """What a plan needs to know of the training data, read from its index, folder or dataset object."""
-
-    source: DataSource
-    """packed (kaisoku pack), folder (class sub-folders), the generated shapes or universe set, or user."""
-    task: TaskKind = "classification"
-    """classification (integer labels), token-classification or language-model (integer labels per token),
-    or regression (float targets): as the data's targets say."""
-    sample_shape: tuple[int, ...] = ()
-    """One input sample's shape as the model gets it; () for images cropped to data.image_size."""
-    in_channels: int = 3
-    """Channels of an input sample."""
-    num_classes: int = 0
-    """Classes (or regression targets); 0 where the data does not say."""
-    num_samples: int = 0
-    """Training samples; 0 where not known before the data is opened (an image folder)."""
-    has_val: bool = False
-    """Whether a validation split exists."""
-    root: str = ""
-    """The dataset folder (packed or image folder); "" for the user's dataset."""
-    readable: bool = True
-    """False where the index could not be read: the ranks report that, with the run folder, as a data failure."""
-    description: str = ""
-    """How a message names the data, e.g. ``data.path /d holds images [32, 32, 3] (classification)``."""
-    target_key: str | None = None
-    """Where a dict sample holds its target (None: the data gives (input, target) pairs)."""
-    tokens_per_sample: int = 0
-    """Token ids per input sample where the input is a sequence of them (``input_ids``), else 0: throughput
-    is then also reported in tokens/s."""
-    val_samples: int = 0
-    """Validation samples, where known before the data is opened (0: unknown or none)."""
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What a plan needs to know of the model: how it splits into blocks and its layer names."""
-
-    spec: ModelSpec
-    """What the model was built to take and give."""
-    block_count: int | None
-    """Ordered blocks (the most pipeline stages); None when the model cannot be split into blocks."""
-    block_error: str = ""
-    """Why the model cannot be split (one line), when ``block_count`` is None."""
-    layer_names: tuple[str, ...] = ()
-    """Names of its Conv/Linear layers (precision.keep may name them)."""
 
 
 @dataclass(frozen=True)

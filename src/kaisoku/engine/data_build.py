@@ -24,7 +24,7 @@ from kaisoku.data.order.sampler import EpochSampler, KeyedMicroBatches
 from kaisoku.data.shards.format import read_index
 from kaisoku.distributed import env
 from kaisoku.distributed.launch import die_with_rank
-from kaisoku.engine.trainer import TrainData
+from kaisoku.engine.train_inputs import TrainData
 from kaisoku.parts import UserParts
 from kaisoku.run_plan import RunPlan
 

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from kaisoku.data.loading.transforms import IMAGENET_MEAN, IMAGENET_STD
 from kaisoku.distributed import env
 from kaisoku.distributed.sharded_checkpoint import read_full_state
 from kaisoku.engine import stop
@@ -27,90 +26,11 @@ from kaisoku.engine.divergence import (
 )
 from kaisoku.engine.metrics import MetricsLogger, interval_peak_memory_mib, peak_memory_mib
 from kaisoku.engine.step import MicroBatches, Precision, StepEngine
-from kaisoku.engine.structures import batch_size, call_model, to_device
 from kaisoku.engine.tasks import make_task
+from kaisoku.engine.train_inputs import TrainData, TrainSettings
 from kaisoku.engine.user_metrics import UserMetrics
+from kaisoku.engine.validation import Validator, prepare_batch
 from kaisoku.errors import KaisokuError
-
-
-class TrainData(Protocol):
-    """What the trainer trains on: a rank's batches epoch by epoch, resumable exactly.
-
-    Implemented by the packed path's :class:`~kaisoku.data.loading.loader.ShardLoader` and by
-    :class:`~kaisoku.engine.data_build.SampledLoader` (an image folder or the user's dataset).
-    """
-
-    steps_per_epoch: int
-    last_quality: float | None
-    """The current epoch's shuffle-quality score, where the data path measures one."""
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The rest of the current epoch's (micro-)batches."""
-
-    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
-        """Point the next iteration at ``epoch`` from ``start_step``."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where the data order is, for a checkpoint."""
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume the data order; raise KaisokuError when the state is for other data."""
-
-    def set_shard(self, shard: int, shards: int) -> None:
-        """Read data-parallel shard ``shard`` of ``shards`` from the next epoch pass on (a layout switch)."""
-
-    def epoch_stats(self) -> dict[str, float] | None:
-        """Counters of the epoch so far (reads, bytes, skipped records), or None."""
-
-    def close(self) -> None:
-        """Release workers, threads and staged files."""
-
-
-@dataclass(kw_only=True)
-class TrainSettings:
-    """Loop settings the trainer needs, already resolved from the config."""
-
-    total_steps: int
-    """Optimizer steps to run in all."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer step."""
-    val_every: int = 0
-    """Validate every N steps; 0: at each epoch's end."""
-    log_every: int = 10
-    """Metrics line every N steps."""
-    checkpoint_every: int = 0
-    """Checkpoint every N steps; 0: at each epoch's end."""
-    global_batch: int = 0
-    """Samples per optimizer step over all ranks (for samples/s)."""
-    channels_last: bool = False
-    """Feed the model channels-last tensors (faster convolutions on CUDA)."""
-    mean: tuple[float, ...] = IMAGENET_MEAN
-    """Per-channel mean (0..1 scale) that input batches are normalised with."""
-    std: tuple[float, ...] = IMAGENET_STD
-    """Per-channel standard deviation (0..1 scale) for normalisation."""
-    on_nonfinite: str = "stop"
-    """stop, skip or rollback when the loss or a gradient goes non-finite."""
-    max_skips: int = 10
-    """skip: consecutive skipped steps that stop the run."""
-    rollback_lr_scale: float = 0.5
-    """rollback: learning-rate factor per rollback."""
-    max_rollbacks: int = 3
-    """rollback: rollbacks that stop the run."""
-    task: str = "classification"
-    """classification (normalised uint8 images, accuracy) or regression (float inputs as the loader gives
-    them, mean absolute error per target)."""
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    """The run's own loss, which validation reports (None: cross-entropy or mean squared error)."""
-    target_key: str | None = None
-    """Where a dict batch holds its labels (None: batches are (input, target) pairs)."""
-    seed: int = 0
-    """train.seed: each step's random numbers (dropout) are drawn from a generator keyed by (seed, step)."""
-    collective_timeout: float = 300.0
-    """dist.timeout: seconds a collective waits for a peer."""
-    short_timeout: float = 0.0
-    """dist.short_timeout: the same during validation (every rank runs the same short steps); 0: the above."""
-    tokens_per_sample: int = 0
-    """Token ids per sample where the input is a sequence of them (tokens/s is logged too), else 0."""
 
 
 @dataclass
@@ -160,7 +80,14 @@ class Trainer:
             loss_fn=settings.loss_fn,
             target_key=settings.target_key,
         )
-        self.user_metrics = user_metrics
+        self.validator = Validator(
+            task=self.task,
+            precision=precision,
+            device=device,
+            user_metrics=user_metrics,
+            collective_forward=getattr(engine, "collective_forward", False),
+            timeouts=(settings.short_timeout, settings.collective_timeout),
+        )
         self.world = world
         self.device = device
         self.metrics = metrics
@@ -345,9 +272,7 @@ class Trainer:
     # Steps
 
     def _prepare(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
-        moved = to_device(inputs, self.device)
-        # A dict batch is its own targets: moved once.
-        return self.task.prepare(moved, moved if targets is inputs else to_device(targets, self.device))
+        return prepare_batch(self.task, self.device, inputs, targets)
 
     def train_step(self, micro_batches: MicroBatches) -> torch.Tensor:
         """One optimizer step over ``micro_batches``; returns the mean loss as a device tensor (no sync)."""
@@ -377,76 +302,12 @@ class Trainer:
         )
         self.metrics.message(f"step {self.state.step}: switched to parallel layout {layout}")
 
-    @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """The task's validation figures (loss and top-1 accuracy, or MSE and MAE per target) over the
-        whole validation set, all-reduced over ranks."""
+        """The task's validation figures (loss and top-1 accuracy, token accuracy and perplexity, or MSE and
+        MAE per target) and the user's metrics over the whole validation set, the same on every rank."""
         if self.val_loader is None:
             return {}
-        # Validation draws no number of the run's: the checkpoint after it holds the generator state an
-        # uninterrupted run has there (the loader's iterator draws its base seed from the global generator).
-        with (
-            torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []),
-            env.collective_timeout(
-                self.settings.short_timeout,
-                self.settings.collective_timeout,
-                f"validation at step {self.state.step}",
-            ),
-        ):
-            return self._validate()
-
-    def _validate(self) -> dict[str, float]:
-        model = self.engine.eval_model()
-        model.eval()
-        sums: torch.Tensor | None = None
-        seen = 0
-        if self.user_metrics:
-            self.user_metrics.reset()
-        # A sharded model's forward gathers weights with every rank: a rank with fewer validation batches (the
-        # set does not divide by the world) runs a forward on a spare batch for each it lacks, results unused.
-        batches = len(self.val_loader or ())
-        spare = 0
-        if getattr(self.engine, "collective_forward", False):
-            spare = int(env.all_reduce_max([float(batches)], self.device)[0]) - batches
-        last: Any = None
-        for inputs, targets in self.val_loader or ():
-            inputs, targets = self._prepare(inputs, targets)
-            last = inputs
-            with self.precision.autocast():
-                outputs = call_model(model, inputs)
-            batch = self.task.validation_sums(outputs, targets)
-            sums = batch if sums is None else sums + batch
-            samples = batch_size(inputs)
-            seen += samples
-            if self.user_metrics:
-                self.user_metrics.update(outputs, targets, samples)
-        if spare:
-            if last is None:
-                last, _ = self._prepare(*self._spare_batch())
-            for _ in range(spare):
-                with self.precision.autocast():
-                    call_model(model, last)
-        values = [float(v) for v in (sums if sums is not None else self.task.empty_sums()).tolist()]
-        # The eval sampler hands out this rank's share exactly once: fewer seen were skipped as damaged.
-        expected = getattr(getattr(self.val_loader, "batch_sampler", None), "num_samples", seen)
-        totals = env.all_reduce_sum([*values, float(seen), float(expected - seen)], self.device)
-        model.train()
-        own: dict[str, float] = {}
-        if self.user_metrics:
-            own = self.user_metrics.compute(lambda values: env.all_reduce_sum(values, self.device))
-        return {
-            **self.task.validation_metrics(totals[:-2], totals[-2]),
-            **own,
-            "val_skipped_records": int(totals[-1]),
-        }
-
-    def _spare_batch(self) -> tuple[Any, Any]:
-        """The first validation sample as a batch: what a rank that has no validation batch at all (a set
-        smaller than the world) runs its forwards on."""
-        assert self.val_loader is not None
-        indices = self.val_loader.batch_sampler.first_batch()  # type: ignore[union-attr]
-        batch = self.val_loader.collate_fn([self.val_loader.dataset[i] for i in indices])
-        return (batch, batch) if isinstance(batch, Mapping) else (batch[0], batch[1])
+        return self.validator.run(self.engine.eval_model(), self.val_loader, self.state.step)
 
     # ------------------------------------------------------------------------------------------------
     # Loop
@@ -640,9 +501,7 @@ class Trainer:
                     **val,
                 }
             )
-            score = self.task.score(val)
-            if self.user_metrics:
-                score += "".join(f", {name} {val[f'val_{name}']:.4g}" for name in self.user_metrics.names)
+            score = self.validator.score(val)
             self.metrics.message(
                 f"step {self.state.step}: val loss {val['val_loss']:.4f}, "
                 f"{score} ({time.perf_counter() - start:.1f} s)"
