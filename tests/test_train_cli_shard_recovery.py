@@ -167,3 +167,52 @@ def test_sigterm_to_a_sharded_run_writes_its_step_and_the_rerun_ends_bit_identic
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / f'step-{step:08d}'} at step {step}" in resumed.stdout
     _assert_final_equals(run_dir, straight, tmp_path)
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Live processes whose environment holds ``marker`` (a run's ranks and every process they started)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in environ.read_bytes():
+                found.append(int(environ.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+#: Kill/restart trials: a hang that 1 restart in 4 met (in the first validation after it) is caught with
+#: probability 1 - 0.75^12 = 97%.
+TRIALS = 12
+
+
+@pytest.mark.timeout(1200)
+def test_a_sharded_run_killed_and_restarted_again_and_again_never_hangs_or_leaves_a_process(
+    tmp_path: Path, tiny_data: Path
+) -> None:
+    """--max-restarts 1 under --parallel.shard full: a rank SIGKILLed once the step-2 folder exists; torchrun
+    restarts both, they resume from it and validate every 2 steps. Each trial must end (exit 0, a short
+    collective timeout of 20 s would say where it waited) and leave no process of the run alive (DataLoader
+    workers included)."""
+    for trial in range(TRIALS):
+        run_dir, marker = tmp_path / f"trial-{trial}", f"KAISOKU_TRIAL_MARK={tmp_path.name}-{trial}"
+        args = train_args(
+            tiny_data, run_dir, "--parallel.shard", "full", "--model.name", "small-cnn",
+            "--checkpoint.every-steps", "2", "--train.val-every", "2", "--max-steps", "8",
+            "--max-restarts", "1", "--data.workers", "1", "--dist.short-timeout", "20",
+        )  # fmt: skip
+        name, value = marker.split("=")
+        proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=train_env(**{name: value})
+        )
+        assert wait_for((run_dir / "checkpoints" / "step-00000002").exists, 180), f"trial {trial}: no step 2"
+        pid = rank_pid(proc.pid, trial % 2)
+        assert pid is not None, f"trial {trial}: rank {trial % 2} already gone"
+        os.kill(pid, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=240)
+        assert proc.returncode == 0, f"trial {trial}:\n{stderr[-3000:]}"
+        assert "restart 1 of 1" in stderr, f"trial {trial}:\n{stderr[-3000:]}"
+        assert (run_dir / "checkpoints" / "step-00000008" / "checksums.json").is_file()
+        assert wait_for(lambda mark=marker: not _processes_with(mark), 10), (
+            f"trial {trial}: {_processes_with(marker)} live on"
+        )

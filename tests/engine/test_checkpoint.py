@@ -168,3 +168,21 @@ def test_full_disk_is_a_clear_error_and_keeps_old_checkpoints(tiny_disk: Path) -
     )
     assert [p.name for p in (tiny_disk / "checkpoints").iterdir()] == [small.name]
     assert CheckpointManager.load(small)["step"] == 1
+
+
+def test_full_disk_during_a_sharded_save_is_one_line_and_gives_the_space_back(tiny_disk: Path) -> None:
+    """torch's writer says only 'unexpected pos' when its file stops part-way, inside DCP's CheckpointException
+    (a BaseException): the line still names the full disk and the step --resume auto continues from."""
+    manager = CheckpointManager(tiny_disk / "checkpoints", keep=3, sharded=True)
+    small = manager.save(_state(1), is_main=True)
+    big = _state(2)
+    big["model"]["w"] = torch.zeros(1 << 16)
+    with pytest.raises(
+        KaisokuError, match="could not write checkpoint .*step-00000002: No space left"
+    ) as full:
+        manager.save(big, is_main=True)
+    assert str(full.value).endswith(
+        "; --resume auto then continues from checkpoint step 1, the newest written"
+    )
+    assert [p.name for p in (tiny_disk / "checkpoints").iterdir()] == [small.name]  # the partial folder gone
+    assert CheckpointManager.load(small)["step"] == 1

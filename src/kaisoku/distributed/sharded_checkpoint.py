@@ -67,8 +67,27 @@ def save_sharded(state: dict[str, Any], folder: Path) -> None:
     fsynced; rank 0 writes the metadata last. A collective: every rank calls it with its own shards."""
     dcp = _dcp()
     writer = dcp.FileSystemWriter(folder, sync_files=True, thread_count=1)
-    with _single_process_is_intended():
-        dcp.save(state, storage_writer=writer)
+    try:
+        with _single_process_is_intended():
+            dcp.save(state, storage_writer=writer)
+    except dcp.api.CheckpointException as error:
+        raise save_failure(error) from error
+
+
+def save_failure(error: BaseException) -> BaseException:
+    """A failed DCP save as an ordinary exception: DCP's CheckpointException derives from BaseException (no
+    ``except Exception`` sees it) and wraps each rank's failure. The first rank's file-system error where
+    one has it (a full or read-only disk), else a RuntimeError with the first failure's message; any other
+    exception as it is."""
+    failures = getattr(error, "failures", None)
+    if not isinstance(failures, dict):
+        return error
+    causes = [f[0] if isinstance(f, tuple) else f for _, f in sorted(failures.items())]
+    causes = [cause for cause in causes if isinstance(cause, BaseException)]
+    for cause in causes:
+        if isinstance(cause, OSError):
+            return cause
+    return RuntimeError(str(causes[0]) if causes else str(error))
 
 
 class BackgroundSaver:

@@ -17,6 +17,7 @@ checkpoint and says why.
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import os
@@ -37,6 +38,7 @@ from kaisoku.distributed.sharded_checkpoint import (
     BackgroundSaver,
     UnreadableCheckpointError,
     check_shard_files,
+    save_failure,
     save_sharded,
 )
 from kaisoku.engine import checksums
@@ -154,10 +156,16 @@ class CheckpointManager:
             return path
         try:
             save_sharded(shards, tmp)
-        except OSError as error:
-            raise _write_error(path, error) from None
+            if main:
+                write_trainer_file(tmp, state)
+        except Exception as error:
+            cause = _write_cause(error, tmp)
+            if cause is None:
+                raise
+            if main:
+                remove(tmp)  # give the space back: the previous checkpoints stay whole
+            raise _write_error(path, cause) from None
         if main:
-            write_trainer_file(tmp, state)
             self._publish(path, tmp)
         return path
 
@@ -168,9 +176,17 @@ class CheckpointManager:
         if pending is None:
             return
         try:
-            pending.done.result()
-        except OSError as error:
-            raise _write_error(pending.path, error) from None
+            try:
+                pending.done.result()
+            except BaseException as error:  # DCP's failure is a BaseException: made an ordinary one
+                raise save_failure(error) from error
+        except Exception as error:
+            cause = _write_cause(error, pending.tmp)
+            if cause is None:
+                raise
+            if pending.main:
+                remove(pending.tmp)
+            raise _write_error(pending.path, cause) from None
         if pending.main:
             self._publish(pending.path, pending.tmp)
 
@@ -342,6 +358,38 @@ class _PendingSave:
     tmp: Path
     main: bool
     done: Future
+
+
+#: How torch's file writer reports a write that failed part-way (the OSError behind it is not kept).
+_TORCH_WRITE_FAILED = ("unexpected pos", "failed writing file")
+
+
+def _write_cause(error: BaseException, folder: Path) -> OSError | None:
+    """The file-system error behind a failed sharded save: an OSError in its chain, or a full disk where
+    torch's writer only says that its write stopped part-way; None for anything else (a bug: keep its
+    traceback)."""
+    pending: list[BaseException] = [error]
+    seen: set[int] = set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        pending.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+    if any(sign in str(error) for sign in _TORCH_WRITE_FAILED):
+        try:
+            usage = os.statvfs(folder if folder.exists() else folder.parent)
+        except OSError:
+            return None
+        if usage.f_bavail * usage.f_frsize < _NEARLY_FULL_BYTES:
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return None
+
+
+#: Free space under which a write that stopped part-way is taken for a full disk.
+_NEARLY_FULL_BYTES = 1 << 20
 
 
 def _write_error(path: Path, error: OSError) -> KaisokuError:
