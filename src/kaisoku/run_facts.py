@@ -21,7 +21,7 @@ from kaisoku.data.loading.loader import packed_splits
 from kaisoku.data.shards.format import read_index
 from kaisoku.data.shards.sources import class_folders, image_folder_splits
 from kaisoku.distributed.env import inside_slurm_step, inside_torchrun, planned_world_size, world_from_env
-from kaisoku.engine.structures import TARGET_KEYS
+from kaisoku.engine.structures import TARGET_KEYS, first_tensor
 from kaisoku.errors import ConfigError, KaisokuError
 from kaisoku.facts import DataFacts, DataSource, ModelFacts, WorldShape
 from kaisoku.models.blocks import ordered_blocks
@@ -143,15 +143,17 @@ def describe_user_data(train: Any, val: Any | None, num_classes: int) -> DataFac
                 f"{' or '.join(map(repr, TARGET_KEYS[:2]))} (the model gets the batch as keyword arguments)"
             )
         first = sample.get("input_ids", next((v for k, v in sample.items() if k != target_key), None))
-        inputs, target = torch.as_tensor(first), torch.as_tensor(sample[target_key])
+        inputs, target = _leading_tensor(first, "input"), _leading_tensor(sample[target_key], "target")
         causal = (
             target_key == "labels"
             and "input_ids" in sample
-            and torch.equal(torch.as_tensor(sample["input_ids"]), target)
+            and torch.equal(_leading_tensor(sample["input_ids"], "input"), target)
         )
         form = f"dict samples ({', '.join(sample)}) as keyword arguments, target {target_key!r}"
     elif isinstance(sample, (tuple, list)) and len(sample) == 2:
-        inputs, target = torch.as_tensor(sample[0]), torch.as_tensor(sample[1])
+        # The input may be any nesting of tensors (a dict goes to the model as keyword arguments): its first
+        # tensor stands for it here.
+        inputs, target = _leading_tensor(sample[0], "input"), _leading_tensor(sample[1], "target")
         causal = False
         form = "(input, target) pairs"
     else:
@@ -185,6 +187,19 @@ def describe_user_data(train: Any, val: Any | None, num_classes: int) -> DataFac
         val_samples=len(val) if val is not None else 0,
         description=f"the given dataset of {len(train)} {form}, input {list(shape)} {inputs.dtype} ({task})",
     )
+
+
+def _leading_tensor(value: Any, what: str) -> torch.Tensor:
+    """``value`` as a tensor (a number, an array), or the first tensor of a nested tuple, list or dict."""
+    found = first_tensor(value) if isinstance(value, (Mapping, list, tuple)) else None
+    if found is not None:
+        return found
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ConfigError(
+            f"data: a sample's {what} is a {type(value).__name__} holding no tensor, array or number"
+        ) from None
 
 
 def model_spec(cfg: Config, data: DataFacts) -> ModelSpec:

@@ -288,3 +288,40 @@ def test_a_collate_fn_pads_ragged_dict_samples_and_padding_is_left_out(tmp_path:
     counted = int(sum(Ragged(64, 1).lengths - 1))  # the shifted labels that are not padding
     assert summary["val_tokens"] == counted
     assert summary["val_token_accuracy"] > 0.9
+
+
+class PhotoWithMeta(Dataset):
+    """``({"image", "meta"}, label)`` samples: a nested input, handed to the model as keyword arguments."""
+
+    def __init__(self, count: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.image, self.meta = (
+            torch.randn(count, 4, generator=generator),
+            torch.randn(count, 2, generator=generator),
+        )
+
+    def __len__(self) -> int:
+        return len(self.image)
+
+    def __getitem__(self, index: int) -> tuple[dict[str, torch.Tensor], int]:
+        return {"image": self.image[index], "meta": self.meta[index]}, int(self.image[index, :3].argmax())
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(6, 3)
+
+    def forward(self, image: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+        return self.layer(torch.cat([image, meta], dim=1))
+
+
+def test_a_nested_input_in_pairs_goes_to_the_model_as_keyword_arguments(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    summary = kaisoku.fit(
+        _config(tmp_path / "run", epochs=3),
+        model=TwoInputs(),
+        data=PhotoWithMeta(128, 0),
+        val_data=PhotoWithMeta(64, 1),
+    )
+    assert summary["val_samples"] == 64 and summary["val_accuracy"] > 0.6  # chance: 1/3
