@@ -302,6 +302,7 @@ class Trainer:
         )
         self.metrics.message(f"step {self.state.step}: switched to parallel layout {layout}")
 
+    @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """The task's validation figures (loss and top-1 accuracy, token accuracy and perplexity, or MSE and
         MAE per target) and the user's metrics over the whole validation set, the same on every rank."""
