@@ -16,6 +16,7 @@ REASON = unavailable_reason() or sshfs_unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 
+@pytest.mark.slow  # a cluster in a box: hosts in network namespaces, 23 s
 @pytest.mark.timeout(400)
 def test_every_cell_stages_its_hosts_partitions_and_two_hosts_exchange(tmp_path: Path) -> None:
     plan = replace(scaling.plan_for(True, tmp_path / "work"), per_host=128, repeats=2, probe_seconds=2.0)

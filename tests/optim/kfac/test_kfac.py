@@ -340,3 +340,41 @@ def test_config_and_constructor_refuse_a_setting_alike(name: str, bad: object) -
 def test_kl_clip_zero_switches_clipping_off_as_in_the_config() -> None:
     """``kl_clip=0`` means no KL clipping (the config's meaning), so no learning rate is needed."""
     assert KFAC(nn.Linear(4, 2), kl_clip=0.0).kl_clip is None
+
+
+class Conv1D(nn.Module):
+    """Hugging Face's ``Conv1D`` as GPT-2 has it: a linear map with its weight stored transposed (nx, nf)."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.2)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).reshape(*x.shape[:-1], self.nf)
+
+
+def test_a_transposed_conv1d_is_preconditioned_as_the_linear_it_is() -> None:
+    """GPT-2's layers: K-FAC preconditions a Conv1D exactly as the nn.Linear holding its weight transposed."""
+    torch.manual_seed(0)
+    transposed = nn.Sequential(Conv1D(6, 5), nn.Tanh(), Conv1D(3, 6))
+    plain = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    with torch.no_grad():
+        for conv, linear in ((transposed[0], plain[0]), (transposed[2], plain[2])):
+            linear.weight.copy_(conv.weight.T)
+            linear.bias.copy_(conv.bias)
+    x = torch.randn(4, 7, 5)  # sequences: every position is a row of the factors
+    kfacs = [KFAC(model, damping=1e-2, kl_clip=None, inv_update_steps=1) for model in (transposed, plain)]
+    assert sorted(kfacs[0].layers) == ["0", "2"]  # both hooked, none left to the base optimizer
+    raw = {}
+    for model, kfac in zip((transposed, plain), kfacs):
+        model.zero_grad()
+        model(x).square().mean().backward()
+        raw[id(model)] = [p.grad.clone() for p in model.parameters()]
+        kfac.step()
+    for conv, linear in ((transposed[0], plain[0]), (transposed[2], plain[2])):
+        assert torch.allclose(conv.weight.grad.T, linear.weight.grad, atol=1e-6)
+        assert torch.allclose(conv.bias.grad, linear.bias.grad, atol=1e-6)
+    preconditioned = [p.grad for p in transposed.parameters()]
+    assert not any(torch.allclose(a, b) for a, b in zip(raw[id(transposed)], preconditioned))  # it did act

@@ -1,6 +1,6 @@
 """K-FAC: Kronecker-factored approximate curvature, a preconditioner in front of any base optimizer.
 
-``KFAC(model, ...)`` hooks Linear, Conv1d, Conv2d and BatchNorm layers, keeps running-average factors, and
+``KFAC(model, ...)`` hooks Linear (and Hugging Face's transposed ``Conv1D``), Conv1d, Conv2d and BatchNorm layers, keeps running-average factors, and
 ``KFAC.step()`` replaces their gradients with preconditioned ones. Factor statistics are summed over the
 data-parallel ranks; decompositions are spread over the ranks by ``greedy_assignment``; with
 ``overhead_target`` the update intervals are chosen from the measured cost (``choose_intervals``).

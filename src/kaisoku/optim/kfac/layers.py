@@ -351,6 +351,52 @@ class LinearLayer(KroneckerLayer):
         return rows.T @ rows
 
 
+class TransposedLinearLayer(LinearLayer):
+    """A linear map whose weight is stored transposed, ``y = x @ W + b`` with ``W`` of shape (in, out): Hugging
+    Face's ``Conv1D`` (GPT-2 and the models built like it). The factors are a Linear's; the gradient is read
+    and written through the transpose."""
+
+    def in_dim(self) -> int:
+        """The weight's rows (+1 with bias)."""
+        return int(self.module.weight.shape[0]) + (1 if self.has_bias else 0)
+
+    def out_dim(self) -> int:
+        """The weight's columns."""
+        return int(self.module.weight.shape[1])
+
+    def grad_matrix(self) -> torch.Tensor | None:
+        """``[dW^T | db]`` of shape (out, in [+1])."""
+        weight = self.module.weight
+        if weight.grad is None:
+            return None
+        matrix = weight.grad.detach().T.float()
+        if self.has_bias:
+            bias_grad = self.module.bias.grad
+            column = torch.zeros_like(matrix[:, :1]) if bias_grad is None else bias_grad.float()[:, None]
+            matrix = torch.cat([matrix, column], dim=1)
+        return matrix
+
+    def write_grad(self, matrix: torch.Tensor) -> None:
+        """Split ``[dW^T | db]`` back into the parameters' gradients."""
+        weight = self.module.weight
+        n_weight = matrix.shape[1] - (1 if self.has_bias else 0)
+        weight.grad.copy_(matrix[:, :n_weight].T)
+        if self.has_bias and self.module.bias.grad is not None:
+            self.module.bias.grad.copy_(matrix[:, n_weight])
+
+
+def is_transposed_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is Hugging Face's ``Conv1D`` (recognised by its shape, with no import of
+    ``transformers``): a 2-D ``weight`` of shape (nx, nf), ``nf`` outputs, a bias of nf or none."""
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ != "Conv1D" or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return False
+    bias = getattr(module, "bias", None)
+    return getattr(module, "nf", None) == weight.shape[1] and (
+        bias is None or bias.shape == (weight.shape[1],)
+    )
+
+
 class Conv2dLayer(KroneckerLayer):
     """``nn.Conv2d`` with ``groups == 1``: rows are the unfolded input patches (one per output pixel)."""
 
@@ -496,6 +542,8 @@ def classify(module: nn.Module, bn_mode: str) -> tuple[type[KFACLayer] | None, s
         return None, None
     if isinstance(module, nn.Linear):
         return LinearLayer, None
+    if is_transposed_linear(module):
+        return TransposedLinearLayer, None
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
         kind = "Conv1d" if isinstance(module, nn.Conv1d) else "Conv2d"
         if module.groups != 1:

@@ -54,7 +54,8 @@ def _at(schedule: IntSchedule | FloatSchedule, step: int) -> Any:
 
 
 class KFAC:
-    """Kronecker-factored approximate curvature preconditioner for Linear, Conv1d, Conv2d and BatchNorm layers.
+    """Kronecker-factored approximate curvature preconditioner for Linear (Hugging Face's ``Conv1D`` too), Conv1d,
+    Conv2d and BatchNorm layers.
 
     Use it with any base optimizer::
 
