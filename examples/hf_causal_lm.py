@@ -56,7 +56,9 @@ def tiny_gpt2() -> torch.nn.Module:
     """GPT-2 with 2 layers, 2 heads, width 64 (randomly initialised from its config)."""
     import transformers  # optional dependency: the hf extra
 
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=64, n_layer=2, n_head=2)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=LENGTH, n_embd=64, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+    )
     return transformers.GPT2LMHeadModel(config)
 
 

@@ -5,7 +5,7 @@ record's JPEG bytes with its keyed crop box and flip, drawn by
 :func:`~kaisoku.data.loading.batch_augment.keyed_crops` from the JPEG header's size (the same function, so
 the same boxes bit for bit, as the host path). Where the trainer moves the batch to its device
 (``batch.to(device)``), :func:`decode_on_device` decodes the whole list in one call
-(``torchvision.io.decode_jpeg`` over a list: nvJPEG's batched decoder on CUDA), crops each image to its
+(TorchCodec's ``decode_jpeg`` over a list: nvJPEG's batched decoder on CUDA), crops each image to its
 box, resizes it (bilinear, antialiased, as the host path's kernel) and flips it, into one uint8 NCHW
 batch on the device; normalisation then happens there as for any batch. The host's cores only parse
 records and read JPEG headers.
@@ -43,7 +43,7 @@ training device (a CUDA GPU; the host path without one)."""
 DEVICE_PIXEL_TOLERANCE = (2, 0.25)
 """Largest and mean absolute difference, in uint8 levels, allowed between a sample decoded by
 :func:`decode_on_device` on the CPU and the host batch path's, with the same crop box and flip. Measured
-(torchvision's libjpeg-turbo against simplejpeg's, a float resize against the uint8 kernel): max 1, mean
+(TorchCodec's libjpeg-turbo, as torchvision's, against simplejpeg's, a float resize against the uint8 kernel): max 1, mean
 0.12-0.15 over batches of 16, 24, 64 and 160 px crops of JPEGs at 1x and 3x the output size. nvJPEG's
 IDCT and chroma upsampling differ from libjpeg-turbo's by a few levels at edges; its difference is
 recorded by ``kaisoku bench loader`` on a CUDA machine, not checked here."""
@@ -51,11 +51,19 @@ recorded by ``kaisoku bench loader`` on a CUDA machine, not checked here."""
 
 @functools.cache
 def _decode_jpeg() -> Any:
-    """``torchvision.io.decode_jpeg`` (imported on first use: torchvision's image module costs start-up time
-    to commands that never decode on a device)."""
-    from torchvision.io import ImageReadMode, decode_jpeg
+    """A batch JPEG decoder taking a list of encoded uint8 tensors and ``device=``: TorchCodec's
+    ``decode_jpeg`` (nvJPEG's batched decoder on CUDA, libjpeg-turbo on the CPU), else torchvision's, whose
+    image decoding is deprecated since torchvision 0.29 in favour of TorchCodec (``pip install -e
+    '.[gpu]'`` installs it). Imported on first use: the decoders cost start-up time to commands that never
+    decode on a device."""
+    try:
+        from torchcodec.decoders import decode_jpeg
+    except (ImportError, OSError, RuntimeError):  # not installed, or built for another torch
+        from torchvision.io import ImageReadMode
+        from torchvision.io import decode_jpeg as torchvision_decode_jpeg
 
-    return functools.partial(decode_jpeg, mode=ImageReadMode.RGB)
+        return functools.partial(torchvision_decode_jpeg, mode=ImageReadMode.RGB)
+    return functools.partial(decode_jpeg, mode="RGB")
 
 
 @dataclass(kw_only=True)
