@@ -275,12 +275,21 @@ class KroneckerLayer(KFACLayer):
         """``[(in, in), (out, out)]``."""
         return [(self.in_dim(), self.in_dim()), (self.out_dim(), self.out_dim())]
 
+    def weight_grad_rows(self) -> torch.Tensor:
+        """The weight's gradient as (out, in) rows."""
+        weight = self.module.weight
+        return weight.grad.detach().reshape(weight.shape[0], -1)
+
+    def set_weight_grad(self, rows: torch.Tensor) -> None:
+        """Write (out, in) rows back as the weight's gradient."""
+        weight = self.module.weight
+        weight.grad.copy_(rows.reshape(weight.shape))
+
     def grad_matrix(self) -> torch.Tensor | None:
         """``[dW | db]`` of shape (out, in [+1])."""
-        weight = self.module.weight
-        if weight.grad is None:
+        if self.module.weight.grad is None:
             return None
-        matrix = weight.grad.detach().reshape(weight.shape[0], -1).float()
+        matrix = self.weight_grad_rows().float()
         if self.has_bias:
             bias_grad = self.module.bias.grad
             column = torch.zeros_like(matrix[:, :1]) if bias_grad is None else bias_grad.float()[:, None]
@@ -289,9 +298,8 @@ class KroneckerLayer(KFACLayer):
 
     def write_grad(self, matrix: torch.Tensor) -> None:
         """Split ``[dW | db]`` back into the parameters' gradients."""
-        weight = self.module.weight
         n_weight = matrix.shape[1] - (1 if self.has_bias else 0)
-        weight.grad.copy_(matrix[:, :n_weight].reshape(weight.shape))
+        self.set_weight_grad(matrix[:, :n_weight])
         if self.has_bias and self.module.bias.grad is not None:
             self.module.bias.grad.copy_(matrix[:, n_weight])
 
@@ -364,25 +372,13 @@ class TransposedLinearLayer(LinearLayer):
         """The weight's columns."""
         return int(self.module.weight.shape[1])
 
-    def grad_matrix(self) -> torch.Tensor | None:
-        """``[dW^T | db]`` of shape (out, in [+1])."""
-        weight = self.module.weight
-        if weight.grad is None:
-            return None
-        matrix = weight.grad.detach().T.float()
-        if self.has_bias:
-            bias_grad = self.module.bias.grad
-            column = torch.zeros_like(matrix[:, :1]) if bias_grad is None else bias_grad.float()[:, None]
-            matrix = torch.cat([matrix, column], dim=1)
-        return matrix
+    def weight_grad_rows(self) -> torch.Tensor:
+        """The weight's gradient transposed: (out, in) rows."""
+        return self.module.weight.grad.detach().T
 
-    def write_grad(self, matrix: torch.Tensor) -> None:
-        """Split ``[dW^T | db]`` back into the parameters' gradients."""
-        weight = self.module.weight
-        n_weight = matrix.shape[1] - (1 if self.has_bias else 0)
-        weight.grad.copy_(matrix[:, :n_weight].T)
-        if self.has_bias and self.module.bias.grad is not None:
-            self.module.bias.grad.copy_(matrix[:, n_weight])
+    def set_weight_grad(self, rows: torch.Tensor) -> None:
+        """Write (out, in) rows back, transposed, as the weight's gradient."""
+        self.module.weight.grad.copy_(rows.T)
 
 
 def is_transposed_linear(module: nn.Module) -> bool:
