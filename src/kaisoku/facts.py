@@ -11,7 +11,10 @@ from kaisoku.parts import ModelSpec
 ShardLevel = Literal["none", "grad", "full"]
 DataSource = Literal["packed", "folder", "generated-shapes", "generated-cosmo", "user"]
 LossName = Literal["cross-entropy", "mse", "user"]
-TaskKind = Literal["classification", "token-classification", "language-model", "regression"]
+TaskKind = Literal["classification", "token-classification", "language-model", "regression", "loss-only"]
+BatchForm = Literal["pairs", "nested-pairs", "dicts"]
+"""How a user's samples come: (tensor input, target) pairs, pairs whose input nests tensors (a dict input goes
+to the model as keyword arguments), or dicts (the whole batch goes to the model as keyword arguments)."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,10 @@ class DataFacts:
     description: str = ""
     """How a message names the data, e.g. ``data.path /d holds images [32, 32, 3] (classification)``."""
     target_key: str | None = None
-    """Where a dict sample holds its target (None: the data gives (input, target) pairs)."""
+    """Where a dict sample holds its target (None: the data gives (input, target) pairs, or dicts without a
+    target that only the user's loss reads)."""
+    batch_form: BatchForm = "pairs"
+    """How the samples come (the packed, folder and generated sets give tensor pairs)."""
     tokens_per_sample: int = 0
     """Token ids per input sample where the input is a sequence of them (``input_ids``), else 0: throughput
     is then also reported in tokens/s."""

@@ -7,11 +7,13 @@ imports them itself (the module must be importable there: the working directory 
 - A model is an ``nn.Module`` instance, or a factory (a function or a module class) called with the run's
   :class:`ModelSpec` when it takes one argument, else with none. Pipeline parallelism (``parallel.pp``)
   needs the model's ordered blocks: an ``nn.Sequential``, or a model with an ``ordered_blocks()`` method.
-- A dataset is a map-style ``torch.utils.data.Dataset`` of ``(input, target)`` pairs, or a factory
-  returning one or a ``(train, val)`` pair. Integer scalar targets make a classification task (accuracy is
-  reported), anything else a regression task.
-- A loss is a callable ``loss(outputs, targets) -> scalar tensor``; without one, cross-entropy for
-  classification and mean squared error for regression.
+- A dataset is a map-style ``torch.utils.data.Dataset`` of ``(input, target)`` pairs or of dicts, or a
+  factory returning one or a ``(train, val)`` pair. The task is read from the targets (``train.task``):
+  integer scalars classification, integer sequences token classification (or a causal language model),
+  floats regression; dicts with no target train on the user's loss alone (loss-only).
+- A loss is a callable ``loss(outputs, targets) -> scalar tensor`` (``targets`` is the whole batch for dict
+  samples); without one, the model's own loss where its output carries one, else cross-entropy or mean
+  squared error.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from kaisoku.data.shards.sources import class_folders, image_folder_splits
 from kaisoku.distributed.env import inside_slurm_step, inside_torchrun, planned_world_size, world_from_env
 from kaisoku.engine.structures import TARGET_KEYS, first_tensor
 from kaisoku.errors import ConfigError, KaisokuError
-from kaisoku.facts import DataFacts, DataSource, ModelFacts, WorldShape
+from kaisoku.facts import BatchForm, DataFacts, DataSource, ModelFacts, WorldShape
 from kaisoku.models.blocks import ordered_blocks
 from kaisoku.models.zoo import build_model, is_zoo_model
 from kaisoku.parts import ModelSpec, UserParts, build_user_model
@@ -40,7 +40,8 @@ def describe_data(cfg: Config, parts: UserParts | None = None) -> DataFacts:
     """The facts of ``cfg``'s training data: the user's dataset, a packed index, an image folder, or the
     generated set (known without generating it). One-line ConfigError for a missing or unusable path."""
     if parts is not None and parts.train_data is not None:
-        return describe_user_data(parts.train_data, parts.val_data, cfg.model.num_classes)
+        own_loss = parts.loss is not None
+        return describe_user_data(parts.train_data, parts.val_data, cfg.model.num_classes, own_loss=own_loss)
     if not cfg.data.path:
         if generated_source(cfg) == "generated-cosmo":
             size = cfg.data.image_size
@@ -122,10 +123,11 @@ def describe_data(cfg: Config, parts: UserParts | None = None) -> DataFacts:
     )
 
 
-def describe_user_data(train: Any, val: Any | None, num_classes: int) -> DataFacts:
+def describe_user_data(train: Any, val: Any | None, num_classes: int, *, own_loss: bool = False) -> DataFacts:
     """The facts of a user's map-style dataset, from its first sample: ``(input, target)`` pairs, or dicts
     (the model then takes the batch as keyword arguments; the target is the entry named ``labels``,
-    ``label``, ``targets``, ``target`` or ``y``)."""
+    ``label``, ``targets``, ``target`` or ``y``; a dict with none of them trains on the user's own loss,
+    ``own_loss``, which sees the whole batch: the ``loss-only`` task)."""
     if len(train) == 0:
         raise ConfigError("data: the training dataset is empty")
     try:
@@ -135,15 +137,33 @@ def describe_user_data(train: Any, val: Any | None, num_classes: int) -> DataFac
             f"data: reading the first training sample failed: {type(error).__name__}: {error}"
         ) from error
     target_key: str | None = None
+    batch_form: BatchForm
     if isinstance(sample, Mapping):
         target_key = next((key for key in TARGET_KEYS if key in sample), None)
-        if target_key is None:
+        if target_key is None and not own_loss:
             raise ConfigError(
                 f"data: a sample is a dict with keys {', '.join(map(repr, sample))} and no target; name it "
-                f"{' or '.join(map(repr, TARGET_KEYS[:2]))} (the model gets the batch as keyword arguments)"
+                f"{' or '.join(map(repr, TARGET_KEYS[:2]))} (the model gets the batch as keyword arguments), "
+                "or give a loss of your own, which sees the whole batch"
             )
         first = sample.get("input_ids", next((v for k, v in sample.items() if k != target_key), None))
-        inputs, target = _leading_tensor(first, "input"), _leading_tensor(sample[target_key], "target")
+        inputs = _leading_tensor(first, "input")
+        batch_form = "dicts"
+        if target_key is None:
+            shape = tuple(int(d) for d in inputs.shape)
+            return DataFacts(
+                source="user",
+                task="loss-only",
+                sample_shape=shape,
+                in_channels=shape[0] if shape else 1,
+                num_samples=len(train),
+                has_val=val is not None,
+                batch_form=batch_form,
+                val_samples=len(val) if val is not None else 0,
+                description=f"the given dataset of {len(train)} dict samples ({', '.join(sample)}) as keyword "
+                "arguments, no target: your loss sees the whole batch (loss-only)",
+            )
+        target = _leading_tensor(sample[target_key], "target")
         causal = (
             target_key == "labels"
             and "input_ids" in sample
@@ -155,7 +175,9 @@ def describe_user_data(train: Any, val: Any | None, num_classes: int) -> DataFac
         # tensor stands for it here.
         inputs, target = _leading_tensor(sample[0], "input"), _leading_tensor(sample[1], "target")
         causal = False
-        form = "(input, target) pairs"
+        nested = isinstance(sample[0], (Mapping, list, tuple))
+        batch_form = "nested-pairs" if nested else "pairs"
+        form = "(input, target) pairs" + (" with a nested input" if nested else "")
     else:
         raise ConfigError(
             f"data: a sample is a {type(sample).__name__}; the dataset must give (input, target) pairs or "
@@ -183,6 +205,7 @@ def describe_user_data(train: Any, val: Any | None, num_classes: int) -> DataFac
         num_samples=len(train),
         has_val=val is not None,
         target_key=target_key,
+        batch_form=batch_form,
         tokens_per_sample=inputs.numel() if inputs.ndim >= 1 and not inputs.is_floating_point() else 0,
         val_samples=len(val) if val is not None else 0,
         description=f"the given dataset of {len(train)} {form}, input {list(shape)} {inputs.dtype} ({task})",

@@ -132,9 +132,12 @@ class RunPlan:
     @property
     def batch_mapping(self) -> str:
         """What the model gets and what the loss compares with."""
-        key = self.data.target_key
-        if key is not None:
-            return f"model(**batch); labels: batch[{key!r}]; loss(outputs, batch)"
+        key, form = self.data.target_key, self.data.batch_form
+        if form == "dicts":
+            labels = f"labels: batch[{key!r}]; " if key is not None else ""
+            return f"model(**batch); {labels}loss(outputs, batch)"
+        if form == "nested-pairs":
+            return "model(inputs), a dict input as model(**inputs); loss(outputs, targets)"
         return "model(inputs); loss(outputs, targets)"
 
     @property
@@ -377,10 +380,11 @@ def _check_data_against_model(cfg: Config, data: DataFacts, model: ModelFacts, t
     if task == "regression" and cfg.train.label_smoothing > 0:
         smoothing = cfg.train.label_smoothing
         raise ConfigError(f"train.label_smoothing {smoothing} is for classification, but {what}; set it to 0")
-    if data.target_key is not None and cfg.parallel.pp > 1:
+    if data.batch_form != "pairs" and cfg.parallel.pp > 1:
+        given = "dict batches as keyword arguments" if data.batch_form == "dicts" else "nested inputs"
         raise ConfigError(
-            f"parallel.pp {cfg.parallel.pp}: pipeline stages pass tensors between them, but {what} gives dict "
-            "batches to the model as keyword arguments; train it with parallel.pp 1 (data parallel or sharded)"
+            f"parallel.pp {cfg.parallel.pp}: pipeline stages pass tensors between them, but {what} gives the "
+            f"model {given}; train it with parallel.pp 1 (data parallel or sharded)"
         )
     if data.source == "user" and not data.has_val and cfg.train.val_every > 0:
         raise ConfigError("train.val_every needs a validation set; give the dataset factory's (train, val)")

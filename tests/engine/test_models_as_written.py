@@ -325,3 +325,72 @@ def test_a_nested_input_in_pairs_goes_to_the_model_as_keyword_arguments(tmp_path
         val_data=PhotoWithMeta(64, 1),
     )
     assert summary["val_samples"] == 64 and summary["val_accuracy"] > 0.6  # chance: 1/3
+
+
+class Unlabelled(Dataset):
+    """Dict samples with no target: ``{"x"}`` points near a 2-D plane in 8-D (an autoencoder learns them)."""
+
+    def __init__(self, count: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        basis = torch.randn(2, 8, generator=torch.Generator().manual_seed(99))
+        self.x = torch.randn(count, 2, generator=generator) @ basis
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[index]}
+
+
+class AutoEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode, self.decode = nn.Linear(8, 2), nn.Linear(2, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.encode(x))
+
+
+def reconstruction(outputs: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The user's loss: it sees the whole batch."""
+    return nn.functional.mse_loss(outputs, batch["x"])
+
+
+def test_dict_samples_without_a_target_train_on_the_users_loss_and_validate_it(tmp_path: Path) -> None:
+    from kaisoku.engine.build import user_parts
+    from kaisoku.parts import UserParts
+    from kaisoku.run_facts import plan_run
+
+    cfg = _config(tmp_path / "plan")
+    with pytest.raises(
+        ConfigError, match="no target; .*or give a loss of your own, which sees the whole batch"
+    ):
+        plan_run(cfg, None, user_parts(cfg, UserParts(model=AutoEncoder(), train_data=Unlabelled(64, 0))))
+    parts = user_parts(cfg, UserParts(model=AutoEncoder(), train_data=Unlabelled(64, 0), loss=reconstruction))
+    described = plan_run(cfg, None, parts).describe()
+    assert "task                  loss-only" in described
+    assert "batch                 model(**batch); loss(outputs, batch)" in described
+    torch.manual_seed(0)
+    cfg = _config(tmp_path / "run", epochs=6)
+    cfg.optim.lr = 0.1
+    with torch.no_grad():
+        untrained = float(reconstruction(AutoEncoder()(Unlabelled(64, 1).x), {"x": Unlabelled(64, 1).x}))
+    summary = kaisoku.fit(
+        cfg, model=AutoEncoder(), data=Unlabelled(256, 0), val_data=Unlabelled(64, 1), loss=reconstruction
+    )
+    assert summary["val_samples"] == 64
+    assert summary["val_loss"] < 0.5 * untrained  # it learned the plane
+
+
+def test_a_nested_input_under_pipeline_stages_is_refused_before_launch(tmp_path: Path) -> None:
+    from kaisoku.engine.build import user_parts
+    from kaisoku.parts import UserParts
+    from kaisoku.run_facts import plan_run
+
+    cfg = _config(tmp_path / "run")
+    cfg.parallel.pp = 2
+    parts = user_parts(cfg, UserParts(model=TwoInputs(), train_data=PhotoWithMeta(64, 0)))
+    with pytest.raises(
+        ConfigError, match="pipeline stages pass tensors between them, .* gives the model nested inputs"
+    ):
+        plan_run(cfg, None, parts)

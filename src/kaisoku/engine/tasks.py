@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kaisoku.data.loading.transforms import normalize
-from kaisoku.engine.structures import IGNORE_INDEX, labels_of, logits_of, model_loss
+from kaisoku.engine.structures import IGNORE_INDEX, batch_size, labels_of, logits_of, model_loss
 
 #: A loss of a model's outputs against a batch's targets (the labels, or the whole dict batch).
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -21,7 +21,7 @@ class Task(Protocol):
     """A dataset's task as the loop sees it."""
 
     name: str
-    """classification, token-classification, language-model or regression."""
+    """classification, token-classification, language-model, regression or loss-only."""
 
     def prepare(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
         """A batch already on the device, as the model takes it."""
@@ -235,6 +235,40 @@ class Regression:
         return f"MAE {metrics['val_mae']:.4f}"
 
 
+class LossOnly:
+    """Dict samples with no target, trained on the user's own loss, which sees the whole batch (a
+    self-supervised objective, an autoencoder, a model that computes its labels itself): validation reports
+    that loss per sample."""
+
+    name = "loss-only"
+
+    def __init__(self, loss_fn: LossFn | None) -> None:
+        if loss_fn is None:
+            raise ValueError("the loss-only task needs the user's loss")
+        self.loss_fn = loss_fn
+
+    def prepare(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
+        """Unchanged: the batch as the dataset gives it."""
+        return inputs, targets
+
+    def validation_sums(self, outputs: Any, targets: Any) -> torch.Tensor:
+        """The batch's loss times its samples."""
+        count = batch_size(targets)
+        return (self.loss_fn(outputs, targets).detach().double() * count).reshape(1)
+
+    def empty_sums(self) -> torch.Tensor:
+        """Zero loss."""
+        return torch.zeros(1, dtype=torch.float64)
+
+    def validation_metrics(self, totals: list[float], samples: float) -> dict[str, float]:
+        """``val_loss`` (per sample) and ``val_samples``."""
+        return {"val_loss": totals[0] / max(samples, 1.0), "val_samples": int(samples)}
+
+    def score(self, metrics: dict[str, float]) -> str:
+        """The samples validated (the loss is the figure)."""
+        return f"{metrics['val_samples']} samples"
+
+
 def make_task(
     name: str,
     *,
@@ -249,6 +283,8 @@ def make_task(
     loss, else cross-entropy or mean squared error); ``target_key``: where a dict batch holds its labels."""
     if name == "regression":
         return Regression(loss_fn, target_key)
+    if name == "loss-only":
+        return LossOnly(loss_fn)
     if name in ("token-classification", "language-model"):
         return TokenClassification(loss_fn, target_key, shift=name == "language-model")
     return Classification(mean, std, channels_last, loss_fn, target_key)

@@ -161,7 +161,8 @@ def encode_batch(
                 tensors.append(torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()))
                 continue
         image = decode_image(data, name=names[n] if names else "")
-        decoded[n] = torch.from_numpy(np.ascontiguousarray(image))
+        # A copy too: a stored array's image is a read-only view of the shard's mmap.
+        decoded[n] = torch.from_numpy(np.array(image, copy=True))
         sizes[n] = image.shape[:2]
         tensors.append(torch.empty(0, dtype=torch.uint8))
     boxes, flips = keyed_crops(
