@@ -394,3 +394,44 @@ def test_a_nested_input_under_pipeline_stages_is_refused_before_launch(tmp_path:
         ConfigError, match="pipeline stages pass tensors between them, .* gives the model nested inputs"
     ):
         plan_run(cfg, None, parts)
+
+
+class PairOut(nn.Module):
+    """A block that hands on a (features, extra) pair: fine in one process, not between pipeline stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layer(x), x
+
+
+class PairIn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 3)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.layer(pair[0])
+
+
+def test_blocks_that_hand_on_a_tuple_are_refused_under_pipeline_stages_before_launch(tmp_path: Path) -> None:
+    """The trial step before launch runs the ordered blocks in turn when the plan has pipeline stages."""
+    from kaisoku.engine.build import user_parts
+    from kaisoku.engine.trial import trial_step
+    from kaisoku.parts import UserParts
+    from kaisoku.run_facts import plan_run
+
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(x, x[:, :3].argmax(1))
+    cfg = _config(tmp_path / "run")
+    cfg.parallel.pp, cfg.parallel.microbatches = 2, 2
+    parts = user_parts(cfg, UserParts(model=nn.Sequential(PairOut(), PairIn()), train_data=data))
+    plan = plan_run(cfg, 2, parts)  # the world kaisoku train --nproc 2 plans for
+    with pytest.raises(ConfigError, match=r"block 0 \(PairOut\) of the model's ordered blocks gives a tuple"):
+        trial_step(plan, parts)
+    tensors = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
+    trial_step(
+        plan, user_parts(cfg, UserParts(model=tensors, train_data=data))
+    )  # tensors between blocks: fine

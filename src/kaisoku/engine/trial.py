@@ -1,6 +1,7 @@
 """A trial step on two samples before launch: the user's model, loss, validation figures and metrics are run
-once on the CPU, so that an output the loss cannot take, or one validation cannot score, is one line (exit 2)
-before any rank starts, not a traceback after the training."""
+once on the CPU, so that an output the loss cannot take, or one validation cannot score, or (under pipeline
+stages) a block that hands the next anything but a tensor, is one line (exit 2) before any rank starts, not
+a traceback after the training."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from kaisoku.engine.structures import batch_size, call_model
 from kaisoku.engine.tasks import make_task
 from kaisoku.engine.user_metrics import UserMetrics
 from kaisoku.errors import ConfigError
+from kaisoku.models.blocks import ordered_blocks
 from kaisoku.parts import UserParts
 from kaisoku.run_facts import make_model
 from kaisoku.run_plan import RunPlan
@@ -54,6 +56,8 @@ def _trial(plan: RunPlan, parts: UserParts) -> None:
     model.eval()
     try:
         outputs = _attempt("the model's forward on two samples", lambda: call_model(model, inputs))
+        if plan.schedule is not None and any(segment.layout.pp > 1 for segment in plan.schedule.segments):
+            _check_stage_boundaries(model, inputs)
     finally:
         model.train(was_training)
     loss = _attempt("the loss", lambda: build_loss(plan, parts)(outputs, targets))
@@ -68,6 +72,21 @@ def _trial(plan: RunPlan, parts: UserParts) -> None:
         metrics = UserMetrics(parts.metrics, device, target_key=plan.data.target_key, task=plan.task)
         _attempt("train.metrics", lambda: metrics.update(outputs, targets, batch_size(inputs)))
         metrics.reset()
+
+
+def _check_stage_boundaries(model: nn.Module, inputs: Any) -> None:
+    """Pipeline stages pass one tensor from stage to stage: run the model's ordered blocks in turn and refuse,
+    naming the block, one that hands the next anything else (a tuple, a dict, a model output object)."""
+    blocks = _attempt("splitting the model into its ordered blocks", lambda: ordered_blocks(model))
+    value = inputs
+    for index, block in enumerate(blocks[:-1]):
+        value = _attempt(f"block {index} of the model's ordered blocks", lambda b=block, v=value: b(v))
+        if not isinstance(value, torch.Tensor):
+            raise ConfigError(
+                f"parallel.pp: block {index} ({type(block).__name__}) of the model's ordered blocks gives a "
+                f"{type(value).__name__}, but pipeline stages pass one tensor between them; make each block "
+                "return a tensor, or train with parallel.pp 1 (data parallel or sharded)"
+            )
 
 
 def _attempt(what: str, action: Callable[[], Any]) -> Any:
