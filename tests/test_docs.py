@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -19,6 +20,10 @@ EXAMPLES = [
 ]
 
 
+#: Optional packages a docs example may import (the hf and metrics extras); without them it is skipped.
+OPTIONAL = ("transformers", "datasets", "torchmetrics")
+
+
 def test_the_manual_has_examples_to_run() -> None:
     assert {page for page, _, _ in EXAMPLES} >= {"own-model.md", "large-batch.md", "memory-precision.md"}
 
@@ -26,6 +31,10 @@ def test_the_manual_has_examples_to_run() -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("page", "index", "code"), EXAMPLES, ids=[f"{p}-{i}" for p, i, _ in EXAMPLES])
 def test_a_docs_example_runs(tmp_path: Path, page: str, index: int, code: str) -> None:
+    optional = [name for name in OPTIONAL if re.search(rf"^(import|from) {name}\b", code, re.MULTILINE)]
+    missing = [name for name in optional if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"{page} example {index} needs {', '.join(missing)}: pip install -e '.[dev]'")
     script = tmp_path / "example.py"
     script.write_text(code)
     result = subprocess.run(
