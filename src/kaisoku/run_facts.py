@@ -23,7 +23,7 @@ from kaisoku.data.shards.sources import class_folders, image_folder_splits
 from kaisoku.distributed.env import inside_slurm_step, inside_torchrun, planned_world_size, world_from_env
 from kaisoku.engine.structures import TARGET_KEYS, first_tensor
 from kaisoku.errors import ConfigError, KaisokuError
-from kaisoku.facts import BatchForm, DataFacts, DataSource, ModelFacts, WorldShape
+from kaisoku.facts import BatchForm, DataFacts, DataSource, ModelFacts, TaskKind, WorldShape
 from kaisoku.models.blocks import ordered_blocks
 from kaisoku.models.zoo import build_model, is_zoo_model
 from kaisoku.parts import ModelSpec, UserParts, build_user_model
@@ -137,6 +137,8 @@ def describe_user_data(train: Any, val: Any | None, num_classes: int, *, own_los
             f"data: reading the first training sample failed: {type(error).__name__}: {error}"
         ) from error
     target_key: str | None = None
+    target: torch.Tensor | None = None
+    causal = False
     batch_form: BatchForm
     if isinstance(sample, Mapping):
         target_key = next((key for key in TARGET_KEYS if key in sample), None)
@@ -149,32 +151,21 @@ def describe_user_data(train: Any, val: Any | None, num_classes: int, *, own_los
         first = sample.get("input_ids", next((v for k, v in sample.items() if k != target_key), None))
         inputs = _leading_tensor(first, "input")
         batch_form = "dicts"
+        form = f"dict samples ({', '.join(sample)}) as keyword arguments"
         if target_key is None:
-            shape = tuple(int(d) for d in inputs.shape)
-            return DataFacts(
-                source="user",
-                task="loss-only",
-                sample_shape=shape,
-                in_channels=shape[0] if shape else 1,
-                num_samples=len(train),
-                has_val=val is not None,
-                batch_form=batch_form,
-                val_samples=len(val) if val is not None else 0,
-                description=f"the given dataset of {len(train)} dict samples ({', '.join(sample)}) as keyword "
-                "arguments, no target: your loss sees the whole batch (loss-only)",
+            form += ", no target: your loss sees the whole batch"
+        else:
+            target = _leading_tensor(sample[target_key], "target")
+            causal = (
+                target_key == "labels"
+                and "input_ids" in sample
+                and torch.equal(_leading_tensor(sample["input_ids"], "input"), target)
             )
-        target = _leading_tensor(sample[target_key], "target")
-        causal = (
-            target_key == "labels"
-            and "input_ids" in sample
-            and torch.equal(_leading_tensor(sample["input_ids"], "input"), target)
-        )
-        form = f"dict samples ({', '.join(sample)}) as keyword arguments, target {target_key!r}"
+            form += f", target {target_key!r}"
     elif isinstance(sample, (tuple, list)) and len(sample) == 2:
         # The input may be any nesting of tensors (a dict goes to the model as keyword arguments): its first
         # tensor stands for it here.
         inputs, target = _leading_tensor(sample[0], "input"), _leading_tensor(sample[1], "target")
-        causal = False
         nested = isinstance(sample[0], (Mapping, list, tuple))
         batch_form = "nested-pairs" if nested else "pairs"
         form = "(input, target) pairs" + (" with a nested input" if nested else "")
@@ -183,15 +174,11 @@ def describe_user_data(train: Any, val: Any | None, num_classes: int, *, own_los
             f"data: a sample is a {type(sample).__name__}; the dataset must give (input, target) pairs or "
             "dicts holding a 'labels' entry"
         )
-    integer = not target.is_floating_point() and not target.is_complex()
-    if integer and target.ndim == 0:
-        task = "classification"
-    elif integer:
-        task = "language-model" if causal else "token-classification"
-    else:
-        task = "regression"
+    task = _task_of(target, causal)
     classes = getattr(train, "classes", None)
-    if task == "regression":
+    if target is None:
+        count = 0
+    elif task == "regression":
         count = max(1, target.numel())
     else:
         count = num_classes or (len(classes) if isinstance(classes, (list, tuple)) else 0)
@@ -210,6 +197,19 @@ def describe_user_data(train: Any, val: Any | None, num_classes: int, *, own_los
         val_samples=len(val) if val is not None else 0,
         description=f"the given dataset of {len(train)} {form}, input {list(shape)} {inputs.dtype} ({task})",
     )
+
+
+def _task_of(target: torch.Tensor | None, causal: bool) -> TaskKind:
+    """The task a first sample's target says: none (a dict only the user's loss reads) loss-only, an integer
+    scalar classification, integers per token token-classification (language-model where the labels are the
+    input ids), floats regression."""
+    if target is None:
+        return "loss-only"
+    if target.is_floating_point() or target.is_complex():
+        return "regression"
+    if target.ndim == 0:
+        return "classification"
+    return "language-model" if causal else "token-classification"
 
 
 def _leading_tensor(value: Any, what: str) -> torch.Tensor:

@@ -21,8 +21,9 @@ from tests.train_harness import tiny_config
 
 
 def _rank_in_a_short_phase(rank: int, tmp: str) -> None:
-    """Rank 0 all-reduces under a 2-second short timeout that rank 1 never comes to; it writes what it
-    raised (and how the run's failure line reads) to a file. No final barrier: the group is broken."""
+    """Rank 0 all-reduces under a 2-second short timeout: on a background group, where rank 1 comes 4 s late
+    (exempt: it waits), then on the training group, where rank 1 never comes; it writes what it raised (and
+    how the run's failure line reads) to a file. No final barrier: the group is broken."""
     import torch.distributed as dist
 
     from kaisoku.distributed import env
@@ -34,16 +35,21 @@ def _rank_in_a_short_phase(rank: int, tmp: str) -> None:
         timeout=datetime.timedelta(seconds=120),
     )  # fmt: skip
     done = Path(tmp) / "rank0-done"
+    background = env.background_group()  # a background save's group: exempt from the short timeout
     if rank == 1:
+        time.sleep(4)  # twice the short timeout late, on the background group only
+        dist.all_reduce(torch.ones(1), group=background)
         while not done.exists():
             time.sleep(0.1)
         os._exit(0)
     try:
         with env.collective_timeout(2, 120, "validation at step 3"):
+            late = torch.ones(1)
+            dist.all_reduce(late, group=background)
             env.all_reduce_sum([1.0], torch.device("cpu"))
         text = "no error"
     except env.CollectiveTimeout as error:
-        text = f"{error}\n{classify(error).cause}"
+        text = f"{error}\n{classify(error).cause}\nbackground sum {late.item():g}"
     (Path(tmp) / "rank0.txt").write_text(text)
     done.touch()
     os._exit(0)
@@ -63,9 +69,10 @@ def test_a_collective_a_rank_never_comes_to_is_cut_by_the_short_timeout_naming_t
     for proc in alive:
         proc.kill()
     assert not alive, "a rank still waits: the short timeout did not cut the collective"
-    raised, cause = (tmp_path / "rank0.txt").read_text().splitlines()
+    raised, cause, background = (tmp_path / "rank0.txt").read_text().splitlines()
     assert raised == "validation at step 3: Timed out after 2 s waiting for another rank (dist.short_timeout)"
     assert cause.startswith("lost contact with another rank (validation at step 3: Timed out after 2 s")
+    assert background == "background sum 2"  # waited 4 s for rank 1 there: the short timeout left it alone
 
 
 def _validate_sharded(rank: int, world_size: int, tmp: Path, data: Path) -> dict[str, float]:

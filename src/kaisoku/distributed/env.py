@@ -213,14 +213,35 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return tensor.tolist()
 
 
+#: Groups whose collectives run beside training (a background checkpoint save): a training phase's short
+#: timeout never applies to them.
+_BACKGROUND_GROUPS: list[dist.ProcessGroup] = []
+
+
+def background_group() -> dist.ProcessGroup:
+    """A new gloo group of every rank for collectives that run in a thread beside training (a background
+    checkpoint save), so that they never interleave with the training group's; exempt from
+    :func:`collective_timeout` (a large save may wait on slow writers for minutes)."""
+    group = dist.new_group(backend="gloo")
+    _BACKGROUND_GROUPS.append(group)
+    return group
+
+
 def _joined_groups() -> list[dist.ProcessGroup]:
-    """Every process group this process is in: the default one, and those a device mesh or a K-FAC or
-    exchange set-up made (torch keeps no public list of them)."""
+    """Every process group this process is in that training's collectives use: the default one, and those a
+    device mesh or a K-FAC or exchange set-up made (torch keeps no public list of them); not the
+    :func:`background_group` ones."""
     if not dist.is_initialized():
         return []
     world = getattr(dist.distributed_c10d, "_world", None)
     groups = list(getattr(world, "pg_map", {}) or [dist.group.WORLD])
-    return [g for g in groups if isinstance(g, dist.ProcessGroup) and dist.get_rank(g) >= 0]
+    return [
+        g
+        for g in groups
+        if isinstance(g, dist.ProcessGroup)
+        and dist.get_rank(g) >= 0
+        and not any(g is background for background in _BACKGROUND_GROUPS)
+    ]
 
 
 class CollectiveTimeout(RuntimeError):

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from kaisoku.distributed import env
 from kaisoku.distributed.named_state import is_named_optimizer_state, with_param_names
 from kaisoku.errors import DamagedDataError, KaisokuError
 
@@ -106,7 +107,7 @@ class BackgroundSaver:
         """Begin writing ``state`` into ``folder`` (a collective, as :func:`save_sharded`); the future is done
         once this rank's shards are written, and on rank 0 once the metadata is too."""
         if self._group is None:
-            self._group = dist.new_group(backend="gloo")
+            self._group = env.background_group()
         dcp = _dcp()
         writer = dcp.FileSystemWriter(folder, sync_files=True, thread_count=1)
         started = dcp.async_save(state, storage_writer=writer, process_group=self._group)
