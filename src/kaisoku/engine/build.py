@@ -9,6 +9,7 @@ precision (:func:`build_model_for`), the step engine (:func:`build_data_parallel
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import random
@@ -96,19 +97,27 @@ def dataset_fingerprint(dataset: Any) -> str:
     random streams (which a single rank, that checks nothing, would then not match)."""
     count = len(dataset)
     digest = xxhash.xxh3_64(str(count).encode())
-    numpy_state, python_state = np.random.get_state(), random.getstate()
-    with torch.random.fork_rng(devices=[]):
+    with generators_put_back():
         torch.manual_seed(0)
         np.random.seed(0)
         random.seed(0)
-        try:
-            for index in sorted({0, count // 2, count - 1} if count else set()):
-                for leaf in _leaves(dataset[index]):
-                    digest.update(leaf)
-        finally:
-            np.random.set_state(numpy_state)
-            random.setstate(python_state)
+        for index in sorted({0, count // 2, count - 1} if count else set()):
+            for leaf in _leaves(dataset[index]):
+                digest.update(leaf)
     return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def generators_put_back() -> Iterator[None]:
+    """torch's CPU generator, NumPy's and Python's as they were before, whatever the block draws: work beside
+    the run (a check, a trial) must not move its random streams."""
+    numpy_state, python_state = np.random.get_state(), random.getstate()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        np.random.set_state(numpy_state)
+        random.setstate(python_state)
 
 
 def _leaves(value: Any) -> Iterator[bytes]:

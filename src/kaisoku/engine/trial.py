@@ -5,15 +5,13 @@ a traceback after the training."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from kaisoku.engine.build import build_loss, example_batch
+from kaisoku.engine.build import build_loss, example_batch, generators_put_back
 from kaisoku.engine.structures import batch_size, call_model
 from kaisoku.engine.tasks import make_task
 from kaisoku.engine.user_metrics import UserMetrics
@@ -35,13 +33,8 @@ def trial_step(plan: RunPlan, parts: UserParts) -> None:
     a user's model is tried."""
     if parts.model is None:
         return
-    numpy_state, python_state = np.random.get_state(), random.getstate()
-    try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            _trial(plan, parts)
-    finally:
-        np.random.set_state(numpy_state)
-        random.setstate(python_state)
+    with generators_put_back(), torch.no_grad():
+        _trial(plan, parts)
 
 
 def _trial(plan: RunPlan, parts: UserParts) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kaisoku.engine.structures import labels_of, logits_of
+from kaisoku.engine.tasks import aligned
 from kaisoku.errors import ConfigError
 
 #: A metric as a user gives it: ``fn(outputs, targets) -> number``, or a torchmetrics ``Metric``.
@@ -135,9 +136,7 @@ class UserMetrics:
         self._samples += samples
         stateful = [metric for metric in self.metrics.values() if is_stateful(metric)]
         if stateful:
-            predictions, labels = logits_of(outputs), labels_of(targets, self.target_key)
-            if self.shift:
-                predictions, labels = predictions[..., :-1, :], labels[..., 1:]
+            predictions, labels = aligned(logits_of(outputs), labels_of(targets, self.target_key), self.shift)
             if self.per_token:
                 predictions = predictions.movedim(-1, 1)
             for metric in stateful:
