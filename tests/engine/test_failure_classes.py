@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 from kaisoku.data.node_cache.tier_dirs import NodeCacheError
 from kaisoku.data.shards.records import CorruptRecordError
+from kaisoku.engine import failures
 from kaisoku.engine.divergence import NonFiniteError
 from kaisoku.engine.failures import Failure, classify, decide, mark_run, print_failure
 
@@ -107,6 +110,30 @@ def test_what_the_launcher_s_stop_breaks_is_not_the_rank_s_own_cause() -> None:
         assert classify(during_stop).kind == "stopped"
     # A worker killed on its own (the OOM killer's SIGKILL) is still the rank's cause.
     assert classify(RuntimeError("DataLoader worker (pid 9) is killed by signal: Killed. ")).kind == "unknown"
+
+
+def test_a_stop_signal_during_cleanup_waits_for_the_cleanup_to_finish() -> None:
+    # The launcher's SIGTERM can be delivered late, while the rank already cleans up after the error its
+    # stopping peers caused: the cleanup (removing the RAM tier) must still run to its end.
+    previous = signal.signal(signal.SIGTERM, failures.on_stop_signal)
+    done: list[str] = []
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            with failures.stop_held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                done.append("after the signal")
+        assert stopped.value.code == 128 + signal.SIGTERM and done == ["after the signal"]
+        with pytest.raises(RuntimeError, match="the rank's own"):  # an error already leaving goes on
+            with failures.stop_held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                raise RuntimeError("the rank's own")
+        with pytest.raises(SystemExit):  # outside the block, the signal leaves at once again
+            os.kill(os.getpid(), signal.SIGTERM)
+            done.append("never")
+        assert done == ["after the signal"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        failures._STOP_SIGNALLED[0] = failures._LAUNCHER_GONE[0] = False
 
 
 def test_an_unwritable_ram_dir_is_not_damaged_data() -> None:

@@ -66,6 +66,7 @@ _WRAPPED = re.compile(r"^(kaisoku\.[\w.]+)\.(\w+Error): (.+)$", re.MULTILINE)
 _WORKER_STOPPED = re.compile(r"DataLoader worker \(pid\(?s?\)? [\d, ]+\) is killed by signal: Terminated")
 _STOP_SIGNALLED = [False]  # set by on_stop_signal: from then on, any error is the teardown's doing
 _LAUNCHER_GONE = [False]  # set by on_stop_signal where the stop came from the launcher's death
+_STOP_HELD: list[int | None] = [None]  # inside stop_held(): 0, or the stop signal that came meanwhile
 
 
 @dataclass
@@ -121,7 +122,29 @@ def on_stop_signal(signum: int, frame: object) -> None:
     """
     _STOP_SIGNALLED[0] = True
     _LAUNCHER_GONE[0] = launcher_gone()
+    if _STOP_HELD[0] is not None:
+        _STOP_HELD[0] = signum
+        return
     raise SystemExit(128 + signum)
+
+
+@contextmanager
+def stop_held() -> Iterator[None]:
+    """Hold a stop signal that arrives inside the block until the block has run to its end, then leave.
+
+    For cleanup on the way out (removing the RAM tier): a signal delivered late (the main thread was in a
+    collective that the stopping peers broke) must not cut it off half way. An exception already leaving
+    the block goes on as it is; the signal is remembered for its classification either way.
+    """
+    _STOP_HELD[0] = 0
+    leaving = True
+    try:
+        yield
+        leaving = False
+    finally:
+        signum, _STOP_HELD[0] = _STOP_HELD[0], None
+        if signum and not leaving:
+            raise SystemExit(128 + signum)
 
 
 def launcher_gone() -> bool:

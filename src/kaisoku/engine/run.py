@@ -213,7 +213,8 @@ def run_training(
             finally:
                 # Every exit path this process survives (an error, Ctrl-C, the launcher's SIGTERM)
                 # removes the RAM tier; after a failure without the barrier: the other ranks are stopping.
-                _close_data(trainer, ram_tier, after_barrier=finished)
+                with failures.stop_held():
+                    _close_data(trainer, ram_tier, after_barrier=finished)
             if world.is_main:
                 staging, exchange = _data_paths(trainer)
                 print_summary(summary, staging=staging, exchange=exchange)
