@@ -52,6 +52,7 @@ from kaisoku_bench.imagesets import (
     flip_transform,
     image_set,
     log,
+    own_format_pack,
     photo_set,
     production_loader,
 )
@@ -189,6 +190,14 @@ def part_a(row_sets: Sequence[RowSet], peer_dir: Path, *, warm_up: bool = True) 
             ffcv_first_epoch=next(
                 (r.get("first_epoch_samples_per_s") for r in set_rows if r["row"] == "ffcv"), None
             ),
+        )
+        summary[f"kaisoku_own_format_vs_ffcv_{name}"] = goal(
+            steady["kaisoku-own-format"] / steady["ffcv"] if "ffcv" in steady else None,
+            ">= 1.3" if name == "imagenet-like" else ">= 1.0",
+            samples=over("kaisoku-own-format", "ffcv"),
+            unit="rounds",
+            reason=ffcv_missing,
+            formats="each on its own: kaisoku's pack re-encoded q90 4:2:0, FFCV's .beton re-encoded q90",
         )
         # No JIT or other warm-up to pay: the first epoch against each steady round (the spread is the
         # steady rounds'; the first epoch is one measurement per run).
@@ -349,6 +358,12 @@ def _on_cuda(loader: ShardLoader) -> Any:
     torch.cuda.synchronize()
 
 
+def _no_crop_in_spdl() -> loader_peers.PeerLoader:
+    raise loader_peers.PeerMissing(
+        "SPDL's load_image_batch applies one filter to a whole batch: no per-sample random crop"
+    )
+
+
 def _peer_builders(row_set: RowSet, peer_dir: Path) -> dict[str, Callable[[], loader_peers.PeerLoader]]:
     images, crop = row_set.images, row_set.images.size if row_set.crop else 0
     files = images.shuffled_files()
@@ -368,6 +383,12 @@ def _peer_builders(row_set: RowSet, peer_dir: Path) -> dict[str, Callable[[], lo
             crop=crop,
         ),
     }
+    if not crop:
+        builders["spdl"] = lambda: loader_peers.spdl(
+            files, batch=BATCH, workers=WORKERS, size=images.size, seed=SEED
+        )
+    else:
+        builders["spdl"] = _no_crop_in_spdl
     if not crop:  # these two peers do decode + flip only
         builders["webdataset"] = lambda: loader_peers.webdataset(
             files, loader_peers.format_folder(peer_dir, stem, "webdataset"), batch=BATCH, workers=WORKERS
@@ -391,9 +412,12 @@ def _part_a_set(
     rows: list[dict[str, Any]] = []
     epochs = iter(range(1, 10**6))
     transform = row_set.transform
+    own_pack = own_format_pack(image_set)
     kaisoku_rows = {
         "kaisoku": production_loader(image_set.pack_dir, transform),  # data.loader batch, the default
         "kaisoku-per-sample": production_loader(image_set.pack_dir, transform, batch_path="threads"),
+        # kaisoku on its own preferred format, as FFCV's row reads FFCV's re-encoded file
+        "kaisoku-own-format": production_loader(own_pack, transform),
     }
     if row_set.crop_decode_row:
         crop_transform = dataclasses.replace(transform, crop_decode=True)
@@ -417,6 +441,8 @@ def _part_a_set(
         decoder = "simplejpeg" + (" (DCT-scaled)" if "crop" in name else "")
         if name != "kaisoku-per-sample":
             decoder += f" + {resizer()} resizer (batch path)"
+        if name == "kaisoku-own-format":
+            decoder += " on its own format (re-encoded q90 4:2:0, as FFCV's)"
         records[name] = _RowRecord(name, decoder, [])
         runs[name] = lambda n=name, ld=loader: _time_epoch(epoch_of(ld, next(epochs)), records[n], size)
     peers: list[loader_peers.PeerLoader] = []
@@ -470,7 +496,7 @@ def _part_a_set(
     runs["limit"] = limit
     if warm_up:  # every row reads warm data: bring all of its files into the page cache first
         stem = image_set.folder.parent.name
-        _read_tree([image_set.folder, image_set.pack_dir, *peer_dir.glob(f"{stem}-*")])
+        _read_tree([image_set.folder, image_set.pack_dir, own_pack, *peer_dir.glob(f"{stem}-*")])
     for record in records.values():
         record.samples.clear()
         record.cpu_us.clear()

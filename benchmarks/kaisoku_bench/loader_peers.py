@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 
 from kaisoku_bench.common import python_path
 
-PEERS = ("imagefolder-pil", "imagefolder-simplejpeg", "webdataset", "mds", "litdata")
+PEERS = ("imagefolder-pil", "imagefolder-simplejpeg", "webdataset", "mds", "litdata", "spdl")
 """Peer row names, in table order."""
 
 _DONE = ".kaisoku-bench-complete"
@@ -288,6 +288,56 @@ def litdata_reader(source: str, cache: Path, *, batch: int, workers: int, crop: 
         return StreamingDataLoader(dataset, batch_size=batch, drop_last=True, **_workers(workers))
 
     return PeerLoader("litdata", "simplejpeg", persistent(build))
+
+
+# ------------------------------------------------------------------------------------------------------ SPDL
+
+
+def spdl(
+    files: Sequence[tuple[str, int]], *, batch: int, workers: int, size: int, seed: int = 0
+) -> PeerLoader:
+    """SPDL's thread pipeline (``spdl.pipeline``) over the same JPEG files: each epoch's shuffled file list
+    in batches, each batch decoded and resized to ``size`` by ``spdl.io.load_image_batch`` (FFmpeg's
+    decoder, in native code with the GIL released) in ``workers`` concurrent tasks, as uint8 NCHW views
+    of its NHWC buffer. It does no per-sample random flip or crop (its batch filter is one for all
+    images), so its row does less work than the others."""
+    _require("spdl.pipeline", "spdl")
+    _require("spdl.io", "spdl-io")
+    import spdl.io
+    from spdl.pipeline import PipelineBuilder
+
+    try:  # FFmpeg's shared libraries are not in SPDL's wheel
+        spdl.io.load_image_batch([files[0][0]], width=size, height=size, pix_fmt="rgb24")
+    except RuntimeError as error:
+        raise PeerMissing(
+            f"SPDL could not decode (it needs FFmpeg's libraries: apt-get install ffmpeg): {error}"
+        ) from None
+    epochs = iter(range(1, 10**9))
+
+    def load(chunk: list[tuple[str, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        buffer = spdl.io.load_image_batch([p for p, _ in chunk], width=size, height=size, pix_fmt="rgb24")
+        images = spdl.io.to_torch(buffer).permute(0, 3, 1, 2)
+        return images, torch.tensor([label for _, label in chunk], dtype=torch.int64)
+
+    def make() -> Iterable[Any]:
+        order = list(files)
+        random.Random(seed * 1_000_003 + next(epochs)).shuffle(order)
+        pipeline = (
+            PipelineBuilder()
+            .add_source(order)
+            .aggregate(batch, drop_last=True)
+            .pipe(load, concurrency=workers, output_order="completion")
+            .add_sink(workers + 1)
+            .build(num_threads=workers)
+        )
+
+        def batches() -> Iterable[Any]:
+            with pipeline.auto_stop():
+                yield from pipeline
+
+        return batches()
+
+    return PeerLoader("spdl", "FFmpeg (SPDL load_image_batch, no flips)", make)
 
 
 # ------------------------------------------------------------------------------------------------------ FFCV
