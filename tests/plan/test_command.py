@@ -11,7 +11,7 @@ import pytest
 
 from kaisoku.errors import ConfigError
 from kaisoku.plan.cluster import cluster_from_dict, load_cluster, load_dataset
-from kaisoku.plan.command import cmd_plan, plan_record
+from kaisoku.plan.command import cmd_plan, plan_record, show
 from kaisoku.plan.model import (
     MB,
     Cluster,
@@ -164,6 +164,34 @@ def test_recommendation_is_the_most_random_meeting_the_target() -> None:
     assert "no strategy reaches" in why
 
 
+def test_a_measured_spread_gives_every_figure_a_range_and_the_choice_holds_at_its_slow_end(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The probe's passes spread the shared FS 4x below and 10% above its median figures.
+    c = replace(
+        _cluster(step_seconds=0.1),
+        fs_seq_range=(RateTable((1, 4), (25 * MB, 50 * MB)), RateTable((1, 4), (110 * MB, 220 * MB))),
+        fs_small_range=(RateTable((1, 4), (250.0, 500.0)), RateTable((1, 4), (1100.0, 2200.0))),
+    )
+    record = plan_record(c, DATA, 4, 0.9, epochs=10)
+    rows = {row["strategy"]: row for row in record["strategies"]}
+    for row in rows.values():
+        low, high = row["range"]["run_s"]
+        assert low <= row["run_s"] <= high
+    assert rows["per-file"]["range"]["run_s"][1] > 1.5 * rows["per-file"]["run_s"]  # reads the slow FS
+    chosen = record["recommendation"]["strategy"]
+    assert rows[chosen]["range"]["au_run"][0] >= 0.9  # the target holds at the slow end
+    assert "slow end of the measured range" in record["recommendation"]["why"]
+    # The median alone picks the most random strategy, which misses the target at the slow end.
+    plain = plan_record(replace(c, fs_seq_range=None, fs_small_range=None), DATA, 4, 0.9, epochs=10)
+    assert plain["recommendation"]["strategy"] == "per-file" != chosen
+    assert rows["per-file"]["range"]["au_run"][0] < 0.9
+    assert "range" not in plain["strategies"][0] and plain["spread"].startswith("none")
+    show(record)
+    line = next(text for text in capsys.readouterr().out.splitlines() if "per-file" in text)
+    assert line.count("(") >= 3, line  # epoch 1, steady epoch and the run, each with its range
+
+
 def test_examples_load_and_plan_as_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     for toml in EXAMPLES.glob("*.toml"):
         if toml.name.startswith("dataset-"):
@@ -206,6 +234,8 @@ GOOD = {
         (("shared_fs", "small_reads_per_s", [1]), "shared_fs.small_reads_per_s"),
         (("local", "capacity", "-5GB"), "local.capacity"),
         (("cluster", "nodez", 3), "cluster.nodez"),
+        (("shared_fs", "seq_read_MBps_low", [90, 150]), "shared_fs.seq_read_MBps_low needs its pair"),
+        (("network", "node_bandwidth_MBps_high", 120), "network.node_bandwidth_MBps_high needs its pair"),
     ],
 )
 def test_bad_cluster_values_name_the_key(change: tuple, key: str) -> None:
@@ -216,6 +246,19 @@ def test_bad_cluster_values_name_the_key(change: tuple, key: str) -> None:
         cluster_from_dict(data, "c.toml")
     assert "\n" not in str(info.value)
     assert cluster_from_dict(GOOD).nodes == 2
+
+
+def test_a_range_must_hold_its_figure() -> None:
+    data = json.loads(json.dumps(GOOD))
+    data["shared_fs"] |= {"seq_read_MBps_low": [90, 150], "seq_read_MBps_high": [110, 190]}  # 200 above it
+    with pytest.raises(ConfigError, match=r"shared_fs.seq_read_MBps\[1\] must lie within"):
+        cluster_from_dict(data, "c.toml")
+    data["shared_fs"]["seq_read_MBps_high"] = [110, 210]
+    data["network"] |= {"node_bandwidth_MBps_low": 80, "node_bandwidth_MBps_high": 130}
+    cluster = cluster_from_dict(data, "c.toml")
+    assert cluster.fs_seq_range is not None and cluster.fs_seq_range[0].at(4) == 150 * MB
+    assert cluster.at_end(0).network_bw == 80 * MB and cluster.at_end(1).fs_seq.at(1) == 110 * MB
+    assert cluster.fs_small_range is None and cluster.at_end(0).fs_small == cluster.fs_small
 
 
 def test_missing_key_and_bad_dataset(tmp_path: Path) -> None:

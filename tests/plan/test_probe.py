@@ -35,10 +35,15 @@ def test_probe_writes_a_profile_that_plan_reads(tmp_path: Path, capsys: pytest.C
     assert fs["readers"] == [1, 2, 4, 8, 16]
     assert len(fs["seq_read_MBps"]) == 5 and min(fs["seq_read_MBps"]) > 0
     assert min(fs["small_reads_per_s"]) > 0
+    for key in ("seq_read_MBps", "small_reads_per_s"):  # every figure with the range of its passes
+        assert all(lo <= mid <= hi for lo, mid, hi in zip(fs[f"{key}_low"], fs[key], fs[f"{key}_high"]))
+    net = profile["network"]
+    assert net["node_bandwidth_MBps_low"] <= net["node_bandwidth_MBps"] <= net["node_bandwidth_MBps_high"]
     assert profile["probe"]["date"].endswith("Z") and "cache" in profile["probe"]
     assert not any(p.name.startswith("kaisoku-probe-") for p in data.iterdir())  # scratch removed
     cluster = load_cluster(out)
     assert cluster.nodes == 1 and cluster.fs_seq.at(1) > 0
+    assert cluster.has_spread and cluster.at_end(0).fs_seq.at(1) <= cluster.fs_seq.at(1)
     assert cluster.step_seconds == profile["compute"]["step_seconds"] and cluster.batch_per_rank == 4
     assert cluster.ranks_per_node == 2
     assert "wrote" in capsys.readouterr().out

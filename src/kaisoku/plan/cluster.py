@@ -6,8 +6,9 @@ plain byte counts. The layout (every key of ``examples/clusters/*.toml``)::
 
     [cluster]    name, nodes, ranks_per_node, readers_per_node
     [shared_fs]  readers = [1, 2, 4, ...], seq_read_MBps = [...], small_reads_per_s = [...],
-                 small_file_bytes
-    [network]    node_bandwidth_MBps
+                 small_file_bytes; optional seq_read_MBps_low/_high and small_reads_per_s_low/_high
+                 (the slowest and fastest of the passes behind each figure, as kaisoku probe writes them)
+    [network]    node_bandwidth_MBps; optional node_bandwidth_MBps_low/_high
     [local]      path, capacity, read_MBps, write_MBps
     [ram]        capacity, bandwidth_MBps
     [compute]    step_seconds, batch_per_rank, loader_samples_per_s (a node's loader from RAM; 0: no limit)
@@ -30,8 +31,14 @@ from kaisoku.units import parse_bytes
 
 _SECTIONS = {
     "cluster": {"name", "nodes", "ranks_per_node", "readers_per_node"},
-    "shared_fs": {"readers", "seq_read_MBps", "small_reads_per_s", "small_file_bytes"},
-    "network": {"node_bandwidth_MBps"},
+    "shared_fs": {
+        "readers",
+        "seq_read_MBps",
+        "small_reads_per_s",
+        "small_file_bytes",
+        *(f"{key}_{end}" for key in ("seq_read_MBps", "small_reads_per_s") for end in ("low", "high")),
+    },
+    "network": {"node_bandwidth_MBps", "node_bandwidth_MBps_low", "node_bandwidth_MBps_high"},
     "local": {"path", "capacity", "read_MBps", "write_MBps"},
     "ram": {"capacity", "bandwidth_MBps"},
     "compute": {"step_seconds", "batch_per_rank", "loader_samples_per_s"},
@@ -114,6 +121,42 @@ class _Reader:
         return RateTable(readers, tuple(out))
 
 
+def _paired(r: _Reader, key: str) -> bool:
+    """Whether ``key``'s ``_low`` and ``_high`` are given: both or neither (one alone names the other)."""
+    given = [k for k in (f"{key}_low", f"{key}_high") if r.raw(k, False) is not False]
+    if len(given) == 1:
+        raise r._fail(given[0], f"needs its pair ({key}_low and {key}_high come together)")
+    return bool(given)
+
+
+def _bracket(r: _Reader, key: str, low: float, middle: float, high: float, unit: float) -> None:
+    """One line naming ``key`` where its figure lies outside its measured range."""
+    if not low <= middle <= high:
+        name = key.split("[")[0]
+        raise r._fail(key, f"must lie within {name}_low and {name}_high ({low / unit:g} .. {high / unit:g})")
+
+
+def _table_range(
+    r: _Reader, key: str, readers: tuple[int, ...], scale: float, middle: RateTable
+) -> tuple[RateTable, RateTable] | None:
+    """``key``'s optional ``_low`` and ``_high`` tables, each entry bracketing ``middle``'s."""
+    if not _paired(r, key):
+        return None
+    low, high = r.table(f"{key}_low", readers, scale), r.table(f"{key}_high", readers, scale)
+    for i, ends in enumerate(zip(low.values, middle.values, high.values, strict=True)):
+        _bracket(r, f"{key}[{i}]", *ends, scale)
+    return low, high
+
+
+def _rate_range(r: _Reader, key: str, middle: float) -> tuple[float, float] | None:
+    """``key``'s optional ``_low`` and ``_high`` rates (MB/s), bracketing ``middle``."""
+    if not _paired(r, key):
+        return None
+    low, high = r.number(f"{key}_low") * MB, r.number(f"{key}_high") * MB
+    _bracket(r, key, low, middle, high, MB)
+    return low, high
+
+
 def _check_keys(where: str, data: dict[str, Any], sections: dict[str, set[str] | None]) -> None:
     for section, block in data.items():
         if section not in sections:
@@ -143,15 +186,21 @@ def cluster_from_dict(data: dict[str, Any], where: str = "cluster") -> Cluster:
                 f"{where}: shared_fs.readers must increase ({readers_raw[i - 1]} then {value} at [{i}])"
             )
     readers = tuple(readers_raw)
+    fs_seq = r.table("shared_fs.seq_read_MBps", readers, MB)
+    fs_small = r.table("shared_fs.small_reads_per_s", readers, 1.0)
+    network_bw = r.number("network.node_bandwidth_MBps") * MB
     return Cluster(
         name=str(r.raw("cluster.name", "cluster")),
         nodes=nodes,
         ranks_per_node=r.integer("cluster.ranks_per_node", 1),
         readers_per_node=r.integer("cluster.readers_per_node", 8),
-        fs_seq=r.table("shared_fs.seq_read_MBps", readers, MB),
-        fs_small=r.table("shared_fs.small_reads_per_s", readers, 1.0),
+        fs_seq=fs_seq,
+        fs_small=fs_small,
+        fs_seq_range=_table_range(r, "shared_fs.seq_read_MBps", readers, MB, fs_seq),
+        fs_small_range=_table_range(r, "shared_fs.small_reads_per_s", readers, 1.0, fs_small),
         small_file_bytes=r.size("shared_fs.small_file_bytes", 1500, positive=True),
-        network_bw=r.number("network.node_bandwidth_MBps") * MB,
+        network_bw=network_bw,
+        network_range=_rate_range(r, "network.node_bandwidth_MBps", network_bw),
         local_capacity=r.size("local.capacity", 0),
         local_read_bw=r.number("local.read_MBps", 1000.0) * MB,
         local_write_bw=r.number("local.write_MBps", 1000.0) * MB,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -122,8 +122,20 @@ def plan_record(
 ) -> dict[str, Any]:
     """Everything ``kaisoku plan`` shows, as plain values (the ``--json`` output)."""
     predictions = predict_all(cluster, dataset, nodes)
-    best, why = recommend(predictions, cluster, au, epochs)
+    # The ends of the probe's measured spread: every figure with its range, the choice made at the slow end.
+    ends = (
+        [predict_all(cluster.at_end(end), dataset, nodes) for end in (0, 1)] if cluster.has_spread else None
+    )
+    best, why = recommend(predictions, cluster, au, epochs, slow=ends[0] if ends else None)
     rows = [_row(p, cluster, dataset, nodes, epochs) for p in predictions]
+    if ends:
+        for row, slow, fast in zip(rows, *ends, strict=True):
+            row["range"] = {
+                "first_epoch_s": [round(fast.first_epoch_s, 3), round(slow.first_epoch_s, 3)],
+                "steady_epoch_s": [round(fast.steady_epoch_s, 3), round(slow.steady_epoch_s, 3)],
+                "run_s": [round(run_seconds(fast, epochs), 3), round(run_seconds(slow, epochs), 3)],
+                "au_run": [round(run_au(slow, epochs), 3), round(run_au(fast, epochs), 3)],
+            }
     return {
         "cluster": cluster.name,
         "dataset": dataset.name,
@@ -139,6 +151,11 @@ def plan_record(
             "flags": train_flags(best.strategy, cluster, dataset),
         },
         "model": "kaisoku.plan.model (see its docstring); figures are predictions, not measurements",
+        "spread": (
+            "each row's range: the predictions at the slowest and the fastest of the probe's passes"
+            if ends
+            else "none: the cluster file gives one figure per rate (kaisoku probe writes their spread)"
+        ),
     }
 
 
@@ -172,6 +189,15 @@ def _seconds(value: float) -> str:
     return f"{value:.2f} s" if value < 10 else f"{value:.0f} s"
 
 
+def _ranged(row: dict[str, Any], key: str, text: Callable[[float], str]) -> str:
+    """Figure ``key`` of a plan row as text, followed by its range where the probe measured a spread that
+    shows at this precision: ``12 s (10 s-16 s)``."""
+    low, high = row.get("range", {}).get(key, (row[key], row[key]))
+    if text(low) == text(high):
+        return text(row[key])
+    return f"{text(row[key])} ({text(low)}-{text(high)})"
+
+
 def show(record: dict[str, Any]) -> None:
     """Print the record as a rich table, the recommendation and its flags."""
     from rich.console import Console
@@ -201,10 +227,10 @@ def show(record: dict[str, Any]) -> None:
         mark = " *" if row["strategy"] == chosen else ""
         table.add_row(
             row["strategy"] + mark,
-            _seconds(row["first_epoch_s"]),
-            _seconds(row["steady_epoch_s"]),
-            _seconds(row["run_s"]),
-            f"{row['au_run']:.2f}",
+            _ranged(row, "first_epoch_s", _seconds),
+            _ranged(row, "steady_epoch_s", _seconds),
+            _ranged(row, "run_s", _seconds),
+            _ranged(row, "au_run", lambda value: f"{value:.2f}"),
             format_bytes(row["local_bytes_per_node"]),
             format_bytes(row["network_bytes_per_epoch"]),
             f"{row['quality']:.2f}",

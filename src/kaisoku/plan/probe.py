@@ -11,6 +11,10 @@ Measured, each within a share of ``--seconds``:
   (:func:`measure_step`), written as ``[compute] step_seconds`` and ``batch_per_rank``; the config is
   resolved by the function :func:`cmd_probe` is handed (the command line's, which ``kaisoku train`` uses).
 
+Every figure is measured in :data:`REPEATS` passes (each on files of its own where files are written): the
+profile keeps their median and, as ``<key>_low`` and ``<key>_high``, the slowest and the fastest, which
+``kaisoku plan`` turns into a range on every prediction.
+
 The page cache is dropped before every read pass where this process may (root, /proc/sys/vm/drop_caches);
 otherwise each pass reads files no earlier pass touched and the profile says the cache was not dropped.
 The node-to-node bandwidth cannot be measured from one node: the profile carries a loopback TCP figure,
@@ -24,6 +28,7 @@ import datetime as _dt
 import os
 import shutil
 import socket
+import statistics
 import sys
 import tempfile
 import threading
@@ -40,6 +45,9 @@ if TYPE_CHECKING:
     from kaisoku.config import Config
 
 READERS = (1, 2, 4, 8, 16)
+REPEATS = 3
+"""Passes per measured figure: the profile keeps their median and, as the figure's range, the slowest and
+the fastest (``kaisoku plan`` shows the range and chooses at its slow end)."""
 SMALL_BYTES = 1536
 MEDIUM_BYTES = 100 * 1024
 _CHUNK = 1 << 20
@@ -165,6 +173,15 @@ def _loopback_bandwidth(nbytes: int = 64 << 20) -> float:
     return received[0] / (time.perf_counter() - start)
 
 
+def _with_range(key: str, passes: list[list[float]], scale: float, digits: int) -> dict[str, list[float]]:
+    """``key`` (the median pass per reader count), ``key_low`` and ``key_high`` (the slowest and the fastest),
+    scaled and rounded; the rounding never leaves the median outside its range."""
+    middle = [round(statistics.median(rates) * scale, digits) for rates in passes]
+    low = [min(m, round(min(rates) * scale, digits)) for m, rates in zip(middle, passes, strict=True)]
+    high = [max(m, round(max(rates) * scale, digits)) for m, rates in zip(middle, passes, strict=True)]
+    return {key: middle, f"{key}_low": low, f"{key}_high": high}
+
+
 def probe(
     path: str | Path,
     *,
@@ -188,9 +205,9 @@ def probe(
     )
     writable = is_writable(root)
     scratch = Path(tempfile.mkdtemp(prefix="kaisoku-probe-", dir=root)) if writable else None
-    seq: list[float] = []
-    small: list[float] = []
-    medium: list[float] = []
+    seq: list[list[float]] = []  # per reader count: the rate of each pass
+    small: list[list[float]] = []
+    medium: list[list[float]] = []
     notes: list[str] = []
     try:
         budget = seconds * (0.7 if writable else 0.9)
@@ -202,17 +219,20 @@ def probe(
             _write_file(calibration, 1 << 20)
             write_rate = (1 << 20) / (time.perf_counter() - t0)
             # Every pass reads files no other pass touched; their writing takes ~20% of the budget.
-            big = max(256 << 10, min(32 << 20, int(write_rate * seconds * 0.2 / sum(readers))))
+            big = max(256 << 10, min(32 << 20, int(write_rate * seconds * 0.2 / sum(readers) / REPEATS)))
             for i, count in enumerate(readers):
                 report(f"sequential reads, {count} readers", i / (3 * len(readers)))
-                files = []
-                for j in range(count):
-                    p = scratch / f"seq-{count}-{j}.bin"
-                    _write_file(p, big, sync=False)
-                    files.append(p)
-                drop_caches()
-                s, n, _ = parallel_read(files, count, time.monotonic() + per_pass * 4)
-                seq.append(n / s)
+                rates = []
+                for repeat in range(REPEATS):
+                    files = []
+                    for j in range(count):
+                        p = scratch / f"seq-{count}-{repeat}-{j}.bin"
+                        _write_file(p, big, sync=False)
+                        files.append(p)
+                    drop_caches()
+                    s, n, _ = parallel_read(files, count, time.monotonic() + per_pass * 4 / REPEATS)
+                    rates.append(n / s)
+                seq.append(rates)
             for size, out, tag in ((SMALL_BYTES, small, "1.5 KB"), (MEDIUM_BYTES, medium, "100 KB")):
                 for i, count in enumerate(readers):
                     report(
@@ -228,9 +248,14 @@ def probe(
                         p = folder / f"d{len(files) % FOLDERS:02d}" / f"{len(files):05d}.bin"
                         _write_file(p, size, sync=False)
                         files.append(p)
-                    drop_caches()
-                    s, _, done = parallel_read(spread(files), count, time.monotonic() + per_pass)
-                    out.append(done / s)
+                    order = spread(files)
+                    rates = []
+                    for repeat in range(REPEATS):  # each pass its own share of the files
+                        drop_caches()
+                        share = order[repeat::REPEATS] or order
+                        s, _, done = parallel_read(share, count, time.monotonic() + per_pass / REPEATS)
+                        rates.append(done / s)
+                    out.append(rates)
         else:
             notes.append(f"{root} is not writable: only reads of files already under it were measured")
             print(
@@ -249,19 +274,23 @@ def probe(
             large = found[-max(readers) :]
             for i, count in enumerate(readers):
                 report(f"existing files, {count} readers", i / len(readers))
-                drop_caches()
-                # Every pass reads all the large files it can in its time share (one file is latency).
-                s, n, _ = parallel_read(large, count, time.monotonic() + per_pass)
-                seq.append(n / s)
-                drop_caches()
-                s, _, done = parallel_read(spread(little), count, time.monotonic() + per_pass)
-                small.append(done / s)
+                seq.append([])
+                small.append([])
+                for repeat in range(REPEATS):
+                    drop_caches()
+                    # Every pass reads all the large files it can in its time share (one file is latency).
+                    s, n, _ = parallel_read(large, count, time.monotonic() + per_pass / REPEATS)
+                    seq[-1].append(n / s)
+                    drop_caches()
+                    share = spread(little)[repeat::REPEATS] or little
+                    s, _, done = parallel_read(share, count, time.monotonic() + per_pass / REPEATS)
+                    small[-1].append(done / s)
         report("local and RAM tiers", 0.95)
         tier_bytes = int(min(64 << 20, max(4 << 20, seconds * (1 << 20))))
         local_dir = Path(local) if local else Path(tempfile.gettempdir())
         local_w, local_r = _tier(local_dir, tier_bytes)
         ram_w, ram_r = _tier(Path(ram), tier_bytes)
-        net = _loopback_bandwidth(max(8 << 20, tier_bytes))
+        net = [_loopback_bandwidth(max(8 << 20, tier_bytes) // REPEATS) for _ in range(REPEATS)]
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -271,11 +300,15 @@ def probe(
         "cluster": {"name": f"probe of {root}", "nodes": 1, "ranks_per_node": 1, "readers_per_node": 8},
         "shared_fs": {
             "readers": list(readers),
-            "seq_read_MBps": [round(v / 1e6, 2) for v in seq],
-            "small_reads_per_s": [round(v, 1) for v in small],
+            **_with_range("seq_read_MBps", seq, 1e-6, 2),
+            **_with_range("small_reads_per_s", small, 1.0, 1),
             "small_file_bytes": SMALL_BYTES if writable else int(little[len(little) // 2].stat().st_size),
         },
-        "network": {"node_bandwidth_MBps": round(net / 1e6, 1)},
+        "network": {
+            "node_bandwidth_MBps": round(statistics.median(net) / 1e6, 1),
+            "node_bandwidth_MBps_low": round(min(net) / 1e6, 1),
+            "node_bandwidth_MBps_high": round(max(net) / 1e6, 1),
+        },
         "local": {
             "path": str(local_dir),
             "capacity": int(shutil.disk_usage(local_dir).free * 0.9),
@@ -305,8 +338,11 @@ def probe(
             "capacity_method": "local: 90% of free space; ram: 50% of free /dev/shm",
         },
     }
+    profile["probe"]["spread"] = (
+        f"{REPEATS} passes per figure: the figure is their median, _low and _high the slowest and the fastest"
+    )
     if medium:
-        profile["probe"]["reads_per_s_100KB"] = [round(v, 1) for v in medium]
+        profile["probe"]["reads_per_s_100KB"] = [round(statistics.median(v), 1) for v in medium]
     if notes:
         profile["probe"]["notes"] = notes
     return profile
