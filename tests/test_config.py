@@ -87,3 +87,13 @@ def test_presets_are_valid_and_unknown_preset_lists_choices() -> None:
         check_config(get_preset(name))
     with pytest.raises(ConfigError, match="choose one of: cpu-demo"):
         get_preset("nope")
+
+
+def test_a_removed_setting_says_why_and_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^data.crop_decode was removed: .*remove the setting$") as info:
+        c.apply_override(c.Config(), "data.crop-decode", "true")
+    assert "\n" not in str(info.value)
+    config = tmp_path / "old.toml"
+    config.write_text("[data]\ncrop_decode = true\n")
+    with pytest.raises(ConfigError, match="data.crop_decode was removed"):
+        c.apply_mapping(c.Config(), c.load_toml(config))

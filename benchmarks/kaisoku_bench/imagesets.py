@@ -145,7 +145,6 @@ def production_loader(
     transform: ImageLabelTransform,
     *,
     workers: int = WORKERS,
-    crop_decode: bool = False,
     batch_path: str = "batch",
 ) -> ShardLoader:
     """The :class:`ShardLoader` ``kaisoku train`` builds for a run on ``pack_dir`` (one rank, global shuffle,
@@ -156,11 +155,10 @@ def production_loader(
     cfg.data.path = str(pack_dir)
     cfg.data.global_batch = BATCH
     cfg.data.workers = workers
-    cfg.data.crop_decode = crop_decode
     cfg.data.loader = batch_path  # type: ignore[assignment]  # checked by the config against its choices
     cfg.train.seed = SEED
     cfg.train.epochs = 10**6
-    dataset = ShardedDataset(pack_dir, transform=transform, decode_images=not crop_decode)
+    dataset = ShardedDataset(pack_dir, transform=transform)
     return shard_loader(plan_run(cfg, 1), World(), torch.device("cpu"), dataset)
 
 

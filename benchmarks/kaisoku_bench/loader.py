@@ -10,7 +10,6 @@ interleaved, the first epoch reported apart. The index part is
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import resource
 import statistics
@@ -32,7 +31,6 @@ from kaisoku.data.loading.transforms import (
     AugmentSpec,
     augment,
     augment_into,
-    crop_decode_into,
     decode_image,
     resizer,
 )
@@ -138,8 +136,6 @@ class RowSet:
     rounds: int
     ffcv: bool = True
     """Run FFCV's row (``--quick`` does not: its first epoch compiles for half a minute)."""
-    crop_decode_row: bool = False
-    """Add kaisoku's crop-decoding row (DCT-scaled decoding pays only where images exceed the output)."""
 
     @property
     def name(self) -> str:
@@ -219,26 +215,9 @@ def part_a(row_sets: Sequence[RowSet], peer_dir: Path, *, warm_up: bool = True) 
             pixel_mean_abs_diff=per_sample.get("pixel_mean_abs_diff_vs_batch"),
             resizer=resizer(),
         )
-        if row_set.crop_decode_row:
+        if row_set.images.name == "imagenet-like":
             summary[f"kaisoku_exact_vs_full_decode_limit_{name}"] = goal(
                 kaisoku / steady["limit"], ">= 0.95", samples=over("kaisoku", "limit"), unit="rounds"
-            )
-            crop_row = next(r for r in set_rows if r["row"] == "kaisoku-crop-decode")
-            summary[f"kaisoku_crop_decode_vs_exact_{name}"] = goal(
-                steady["kaisoku-crop-decode"] / kaisoku,
-                ">= 1.3",
-                samples=over("kaisoku-crop-decode", "kaisoku"),
-                unit="rounds",
-                pixel_mean_abs_diff=crop_row.get("pixel_mean_abs_diff"),
-            )
-            summary[f"kaisoku_crop_decode_vs_best_peer_{name}"] = goal(
-                steady["kaisoku-crop-decode"] / peers[best] if best else None,
-                ">= 1.3",
-                samples=over("kaisoku-crop-decode", best),
-                unit="rounds",
-                reason="" if best else no_peer,
-                best_peer=best,
-                pixel_mean_abs_diff=crop_row.get("pixel_mean_abs_diff"),
             )
         else:
             summary[f"kaisoku_vs_limit_{name}"] = goal(
@@ -289,18 +268,6 @@ def _read_tree(roots: Sequence[Path]) -> int:
                     while chunk := handle.read(8 << 20):
                         total += len(chunk)
     return total
-
-
-def _crop_pixel_diff(image_set: ImageSet, transform: ImageLabelTransform, count: int = 200) -> float:
-    """Mean absolute pixel difference of crop-aware decoding against the exact decode, same crops."""
-    diffs = []
-    for index, (path, _) in enumerate(image_set.shuffled_files()[:count]):
-        data = loader_peers.read_bytes(path)
-        exact = augment(decode_image(data), transform.spec, seed=transform.seed, epoch=1, index=index)
-        fast = np.empty_like(exact)
-        crop_decode_into(data, transform.spec, seed=transform.seed, epoch=1, index=index, out=fast)
-        diffs.append(float(np.abs(exact.astype(np.int16) - fast.astype(np.int16)).mean()))
-    return float(np.mean(diffs))
 
 
 def batch_pixel_diff(
@@ -419,11 +386,6 @@ def _part_a_set(
         # kaisoku on its own preferred format, as FFCV's row reads FFCV's re-encoded file
         "kaisoku-own-format": production_loader(own_pack, transform),
     }
-    if row_set.crop_decode_row:
-        crop_transform = dataclasses.replace(transform, crop_decode=True)
-        kaisoku_rows["kaisoku-crop-decode"] = production_loader(
-            image_set.pack_dir, crop_transform, crop_decode=True
-        )
     if torch.cuda.is_available():  # data.decode gpu: the same set decoded on the device
         gpu_loader = gpu_decode_loader(image_set.pack_dir, transform)
         records["kaisoku-gpu-decode"] = _RowRecord("kaisoku-gpu-decode", "nvJPEG (torchvision, batched)", [])
@@ -438,7 +400,7 @@ def _part_a_set(
     for name, loader in kaisoku_rows.items():
         if name == "kaisoku-gpu-decode":
             continue
-        decoder = "simplejpeg" + (" (DCT-scaled)" if "crop" in name else "")
+        decoder = "simplejpeg"
         if name != "kaisoku-per-sample":
             decoder += f" + {resizer()} resizer (batch path)"
         if name == "kaisoku-own-format":
@@ -526,8 +488,6 @@ def _part_a_set(
             "cpu_us_per_sample": round(cpu_us, 1),
             "cpu_vs_limit": round(limit_cpu / cpu_us, 3),
         }
-        if name == "kaisoku-crop-decode":
-            row["pixel_mean_abs_diff"] = round(_crop_pixel_diff(image_set, transform), 3)
         if name == "kaisoku-gpu-decode":
             largest, mean = gpu_pixel_diff(image_set, transform)
             row["pixel_max_abs_diff_vs_host"], row["pixel_mean_abs_diff_vs_host"] = largest, round(mean, 4)
@@ -584,7 +544,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
             RowSet(image_set(1024, 64, "1MiB"), crop=False, rounds=2, ffcv=False),
             RowSet(image_set(1024, 64, "1MiB"), crop=True, rounds=2, ffcv=False),
             RowSet(image_set(1024, 96, "2MiB"), crop=False, rounds=2, ffcv=False),
-            RowSet(photo_set(400), crop=True, rounds=2, ffcv=False, crop_decode_row=True),
+            RowSet(photo_set(400), crop=True, rounds=2, ffcv=False),
         ]
     else:
         row_sets = [
@@ -592,7 +552,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
             RowSet(image_set(20000, 64, "8MiB"), crop=True, rounds=5),
             RowSet(image_set(20000, 160, "16MiB"), crop=False, rounds=4),
             RowSet(image_set(20000, 160, "16MiB"), crop=True, rounds=4),
-            RowSet(photo_set(5000), crop=True, rounds=4, crop_decode_row=True),
+            RowSet(photo_set(5000), crop=True, rounds=4),
         ]
     rows, summary, notes = part_a(row_sets, root / "peers", warm_up=not quick)
     index_rows, index_summary = index_part(root, 1_000_000 if quick else 10_000_000, 1 if quick else 3)

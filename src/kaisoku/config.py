@@ -180,9 +180,19 @@ def _normalise_key(key: str) -> str:
 #: Keys that moved to another section -> where they live now.
 MOVED_KEYS = {"train.precision": "precision.mode"}
 
+#: Keys that are gone -> why, and what to do instead.
+REMOVED_KEYS = {
+    "data.crop_decode": (
+        "data.crop_decode was removed: decoding each JPEG at the DCT scale of its crop read photos of "
+        "ImageNet's size more slowly than exact decoding (0.86x in kaisoku bench loader); remove the setting"
+    ),
+}
+
 
 def _resolve(cfg: Any, dotted: str) -> tuple[Any, str, Any]:
     """Find the section object, field name and type that ``dotted`` names, or raise ConfigError."""
+    if _normalise_key(dotted) in REMOVED_KEYS:
+        raise ConfigError(REMOVED_KEYS[_normalise_key(dotted)])
     moved = MOVED_KEYS.get(_normalise_key(dotted))
     if moved:
         raise ConfigError(f"{dotted} is now {moved}; set {moved} instead (e.g. --{moved} bf16)")

@@ -77,8 +77,6 @@ class DataConfig:
     """Where the RAM tier, exchanged samples and the cache's control files live."""
     skip_corrupt: bool = False
     """Packed data: skip (and count) damaged records instead of stopping with an error naming them."""
-    crop_decode: bool = False
-    """Packed data: decode each JPEG at the smallest DCT scale (1/2, 1/4, 1/8) its training crop allows: much faster for large photos, pixels differ slightly from the exact decode (the default)."""
     loader: Literal["batch", "threads", "processes"] = "batch"
     """Packed data: how batches are made: batch (data.workers threads, at least 1, each decoding a chunk of the batch in one call without the GIL into reused batch buffers; the fastest), threads (the same threads, sample by sample) or processes (a DataLoader with data.workers worker processes); all three give the same batches."""
     decode: Literal["cpu", "gpu"] = "cpu"

@@ -332,8 +332,6 @@ def _data_settings(
             f"data.decode gpu decodes packed JPEG images, but {what}; pack the images with kaisoku pack, "
             "or use data.decode cpu"
         )
-    if d.decode == "gpu" and d.crop_decode:
-        raise ConfigError("data.crop_decode is a host decoder's option; with data.decode gpu set it to false")
     if data.source in ("folder", "generated-shapes", "user"):
         shuffle = ShuffleSpec(
             unpacked=True

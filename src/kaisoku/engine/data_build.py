@@ -238,12 +238,9 @@ def build_data(
     else:
         train_set = ShardedDataset(
             train_dir,
-            transform=ImageLabelTransform(
-                spec=train_spec, seed=cfg.train.seed, crop_decode=cfg.data.crop_decode
-            ),
+            transform=ImageLabelTransform(spec=train_spec, seed=cfg.train.seed),
             skip_corrupt=cfg.data.skip_corrupt,
-            # crop decoding and decoding on the device need the encoded bytes
-            decode_images=not cfg.data.crop_decode and cfg.data.decode == "cpu",
+            decode_images=cfg.data.decode == "cpu",  # decoding on the device needs the encoded bytes
             source=source,
         )
         val_set = (

@@ -1,5 +1,5 @@
 """The batch decode path: the per-sample path's crops and flips, its pixels within the stated tolerance,
-the same batches for any thread count, crop decoding on the crop's region."""
+the same batches for any thread count."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from kaisoku.data.loading.transforms import (
     AugmentSpec,
     augment_into,
     augment_rng,
-    crop_decode_into,
     decode_image,
     random_crop_box,
     resizer,
@@ -139,35 +138,6 @@ def test_damaged_record_is_skipped_or_named_on_the_batch_path(packed: Path) -> N
     strict = ShardedDataset(packed, transform=transform, check_files=False)
     with pytest.raises(Exception, match="record 1"):
         strict.read_batch_into([(0, i) for i in range(4)], out)
-
-
-def _coordinates_jpeg(side: int) -> bytes:
-    """A JPEG whose red channel is x / 2 and green channel y / 2: a crop's pixels say where it came from."""
-    y, x = np.mgrid[0:side, 0:side].astype(np.float32)
-    image = np.stack([x / 2, y / 2, np.full_like(x, 128)], axis=-1)
-    return simplejpeg.encode_jpeg(np.clip(image, 0, 255).astype(np.uint8), quality=95)
-
-
-def test_crop_decoding_reads_the_crop_box_region() -> None:
-    data = _coordinates_jpeg(480)
-    spec = AugmentSpec(size=32, scale=(0.3, 1.0))  # crops of 260+ px to 32: decoded at 1/4 or 1/8
-    indices = np.arange(24)
-    boxes, flips = keyed_crops(np.full(24, 480), np.full(24, 480), spec, seed=1, epoch=0, indices=indices)
-    got = np.empty((24, 3, 32, 32), dtype=np.uint8)
-    decode_batch_into([data] * 24, spec, seed=1, epoch=0, indices=indices, out=got, crop_decode=True)
-    for k, (left, top, right, bottom) in enumerate(boxes.tolist()):
-        red, green = got[k, 0].astype(float), got[k, 1].astype(float)
-        if flips[k]:
-            red = red[:, ::-1]
-        # The output's first and last columns and rows sample the box's edges (red = x/2, green = y/2),
-        # within a scaled pixel (8 px at 1/8, i.e. 4 levels) and the JPEG's error.
-        assert abs(red[:, 0].mean() - left / 2) <= 6 and abs(red[:, -1].mean() - (right - 1) / 2) <= 6
-        assert abs(green[0].mean() - top / 2) <= 6 and abs(green[-1].mean() - (bottom - 1) / 2) <= 6
-        need = int(np.ceil(480 * 32 / min(right - left, bottom - top)))
-        assert simplejpeg.decode_jpeg(data, min_height=need, min_width=need).shape[0] < 480  # DCT-scaled
-        exact = np.empty((3, 32, 32), dtype=np.uint8)  # the per-sample crop decode, the same region
-        crop_decode_into(data, spec, seed=1, epoch=0, index=k, out=exact)
-        assert np.abs(got[k].astype(int) - exact.astype(int)).max() <= BATCH_PIXEL_TOLERANCE[0]
 
 
 def test_received_records_go_through_the_batch_path(packed: Path, ram_dir: Path) -> None:

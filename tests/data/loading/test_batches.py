@@ -6,7 +6,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import simplejpeg
 import torch
 
 from kaisoku.data.loading.batches import ThreadedBatches
@@ -17,8 +16,6 @@ from kaisoku.data.loading.transforms import (
     augment,
     augment_into,
     collate,
-    crop_decode_into,
-    decode_image,
 )
 from kaisoku.data.order.shuffle import ShuffleSpec
 from kaisoku.data.shards.format import read_index
@@ -108,33 +105,6 @@ def test_decoding_errors_reach_the_caller(packed: Path) -> None:
     dataset = ShardedDataset(packed, transform=ImageLabelTransform(spec=AugmentSpec(size=8), seed=0))
     with pytest.raises(KaisokuError, match="record 0"):
         list(ThreadedBatches(dataset, [[(0, 0), (0, 1)]], threads=2))
-
-
-def _photo(height: int, width: int) -> bytes:
-    """A smooth, textured test photo as a quality-90 JPEG."""
-    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
-    rng = np.random.default_rng(3)
-    image = np.stack([128 + 90 * np.sin(x / 23 + c) * np.cos(y / 31 - c) for c in range(3)], axis=-1)
-    image += rng.normal(0, 6, image.shape)
-    return simplejpeg.encode_jpeg(np.clip(image, 0, 255).astype(np.uint8), quality=90)
-
-
-def test_crop_decoding_keeps_the_draw_and_stays_close_to_exact() -> None:
-    data = _photo(350, 400)
-    small = AugmentSpec(size=40, train=True, scale=(0.5, 1.0))
-    diffs = []
-    for index in range(8):
-        exact = augment(decode_image(data), small, seed=1, epoch=0, index=index)
-        fast = np.empty_like(exact)
-        crop_decode_into(data, small, seed=1, epoch=0, index=index, out=fast)
-        diffs.append(np.abs(exact.astype(int) - fast.astype(int)).mean())
-    assert 0 < np.mean(diffs) < 8  # a DCT-domain downscale: close to the exact crop, not equal
-    # An output as large as the image leaves no scale to skip: exactly the full decode's sample.
-    large = AugmentSpec(size=350, train=True, scale=(0.9, 1.0))
-    exact = augment(decode_image(data), large, seed=1, epoch=0, index=3)
-    fast = np.empty_like(exact)
-    crop_decode_into(data, large, seed=1, epoch=0, index=3, out=fast)
-    assert np.array_equal(exact, fast)
 
 
 def _received_half(sampler: object, record_bytes: object, *, ranks_per_node: int) -> dict[int, bytes]:

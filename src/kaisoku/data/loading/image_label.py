@@ -10,7 +10,7 @@ import numpy as np
 
 from kaisoku.data.loading.batch_augment import decode_batch_into
 from kaisoku.data.loading.gpu_decode import EncodedBatch, encode_batch
-from kaisoku.data.loading.transforms import AugmentSpec, augment, augment_into, crop_decode_into, decode_image
+from kaisoku.data.loading.transforms import AugmentSpec, augment, augment_into, decode_image
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,16 +38,9 @@ class ImageLabelTransform:
     decode_min_side: int = 0
     """Only for encoded images: the smallest side JPEG DCT-domain downscaling may leave (0: full size)."""
 
-    crop_decode: bool = False
-    """Only for encoded images: decode a JPEG at the smallest DCT scale its crop allows
-    (:func:`~kaisoku.data.loading.transforms.crop_decode_into`; faster, pixels differ slightly from exact)."""
-
     def __call__(self, sample: dict[str, Any], *, index: int, epoch: int) -> tuple[np.ndarray, int]:
         """The augmented CHW uint8 image and the label of ``sample``."""
         image = sample[self.image_field]
-        if self.crop_decode and not isinstance(image, np.ndarray):
-            out = np.empty((3, self.spec.size, self.spec.size), dtype=np.uint8)
-            return out, self.into(sample, index=index, epoch=epoch, out=out)
         if not isinstance(image, np.ndarray):
             image = decode_image(image, name=f"sample {index}", min_side=self.decode_min_side)
         out = augment(image, self.spec, seed=self.seed, epoch=epoch, index=index)
@@ -56,9 +49,6 @@ class ImageLabelTransform:
     def into(self, sample: dict[str, Any], *, index: int, epoch: int, out: np.ndarray) -> int:
         """Write the augmented CHW uint8 image of ``sample`` into ``out``; return its label."""
         image = sample[self.image_field]
-        if self.crop_decode and not isinstance(image, np.ndarray):
-            crop_decode_into(image, self.spec, seed=self.seed, epoch=epoch, index=index, out=out)
-            return int(sample[self.label_field])
         if not isinstance(image, np.ndarray):
             image = decode_image(image, name=f"sample {index}", min_side=self.decode_min_side)
         augment_into(image, self.spec, seed=self.seed, epoch=epoch, index=index, out=out)
@@ -77,7 +67,6 @@ class ImageLabelTransform:
             epoch=epoch,
             indices=indices,
             out=out,
-            crop_decode=self.crop_decode,
             names=[f"sample {index}" for index in indices],
         )
         return [int(sample[self.label_field]) for sample in samples]

@@ -254,8 +254,8 @@ def _resize_box(image: np.ndarray, box: tuple[float, float, float, float], size:
     filter torch's kernel applies there, no antialiasing involved; several times faster) where installed;
     otherwise torch's uint8 antialiased kernel, which reads the HWC slice in place as a channels-last
     tensor (1.5x faster than PIL's box resize on ImageNet-like crops to 160; pixels within 1 of PIL's but
-    at the crop's border, where PIL's filter also reads outside the box). A box with fractional edges (a
-    DCT-scaled decode's) keeps PIL's sub-pixel box.
+    at the crop's border, where PIL's filter also reads outside the box). A box with fractional edges keeps
+    PIL's sub-pixel box.
     """
     height, width = image.shape[:2]
     if box == (0, 0, width, height) and height == size and width == size:
@@ -323,59 +323,6 @@ def augment_into(
         np.copyto(out[0], resized)
     else:
         np.copyto(out, resized.transpose(2, 0, 1))
-
-
-def crop_decode_into(
-    data: bytes | memoryview,
-    spec: AugmentSpec,
-    *,
-    seed: int,
-    epoch: int,
-    index: int,
-    out: np.ndarray,
-    name: str = "",
-) -> None:
-    """:func:`augment_into` of an encoded image, decoding only as much of a JPEG as the crop needs.
-
-    The crop box and the flip are drawn exactly as for a full decode (they depend only on the image's size,
-    read from the JPEG header); libjpeg-turbo then decodes at the smallest DCT scale (1/2, 1/4, 1/8) at
-    which the box still covers ``spec.size`` pixels each way, and the box is resized from that scaled image.
-    Much faster where the crop is much larger than the output (large photos); the pixels differ slightly
-    from an exact decode's (a DCT-domain downscale instead of a bilinear one). Anything that is not a
-    baseline RGB/grey JPEG falls back to the exact path.
-    """
-    if len(data) < 2 or bytes(data[:2]) != _JPEG_MAGIC:
-        augment_into(decode_image(data, name=name), spec, seed=seed, epoch=epoch, index=index, out=out)
-        return
-    try:
-        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-    except ValueError:
-        augment_into(decode_image(data, name=name), spec, seed=seed, epoch=epoch, index=index, out=out)
-        return
-    flip = False
-    if spec.train:
-        rng = augment_rng(seed, epoch, index)
-        left, top, right, bottom = random_crop_box(height, width, spec, rng)
-        flip = spec.flip and bool(rng.integers(0, 2))
-    else:
-        left, top, right, bottom = center_crop_box(height, width)
-    need_h = math.ceil(height * spec.size / max(bottom - top, 1))
-    need_w = math.ceil(width * spec.size / max(right - left, 1))
-    try:
-        image = simplejpeg.decode_jpeg(
-            data, colorspace="RGB", min_height=need_h, min_width=need_w, strict=True
-        )
-    except ValueError:
-        image = decode_image(data, name=name)
-    sy, sx = image.shape[0] / height, image.shape[1] / width
-    # The scaled box on whole pixels (at most half a scaled pixel off, in an approximate path anyway), so
-    # that it resamples with the fast whole-pixel kernel; unscaled, it is exactly the full decode's crop.
-    x0, y0 = min(round(left * sx), image.shape[1] - 1), min(round(top * sy), image.shape[0] - 1)
-    box = (x0, y0, max(round(right * sx), x0 + 1), max(round(bottom * sy), y0 + 1))
-    resized = _resize_box(image, box, spec.size)
-    if flip:
-        resized = resized[:, ::-1]
-    np.copyto(out, resized.transpose(2, 0, 1))
 
 
 def collate(samples: Sequence[tuple[np.ndarray, int] | None]) -> tuple[torch.Tensor, torch.Tensor]:
