@@ -78,7 +78,11 @@ def _workers(workers: int) -> dict[str, Any]:
 
 
 def _require(module: str, package: str) -> None:
-    if importlib.util.find_spec(module) is None:
+    try:  # a dotted name imports its parents, which may be missing themselves
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
         raise PeerMissing(f"not installed: pip install {package}")
 
 

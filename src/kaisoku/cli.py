@@ -289,7 +289,8 @@ def cmd_pack(argv: Sequence[str]) -> int:
         type=int,
         default=0,
         help="re-encode every image as a JPEG of this quality, 1-100 (0: keep the source's bytes, the default: "
-        "a second lossy encoding is yours to choose); FFCV's writer uses 90",
+        "a second lossy encoding is yours to choose); FFCV's writer uses 90. Measured (kaisoku bench loader): "
+        "--jpeg-quality 90 with 4:2:0 loads 1.05-1.42x more images per second, 64 px to ImageNet-sized photos",
     )
     parser.add_argument(
         "--jpeg-subsampling",
