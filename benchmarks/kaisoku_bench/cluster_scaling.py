@@ -45,6 +45,8 @@ from kaisoku_bench.common import python_path
 MODULE = "kaisoku_bench.cluster_scaling"
 #: The port of the ranks' TCP store on host 0.
 STORE_PORT = 29500
+PROBE_PORT = 29507
+"""Where host 0's torchrun agent serves the probe's rendezvous (the cells' store is gone by then)."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ class ScalingPlan:
     slow_links: tuple[tuple[int, float], ...] = ()
     """(host, Mbit/s) of hosts whose link differs from :attr:`rate_mbit` (an asymmetric cluster)."""
     probe_seconds: float = 0.0
-    """> 0: ``kaisoku probe`` measures host 0's mount for this long before the cells (the planner's
+    """> 0: ``kaisoku probe`` measures every host's mount for this long before the cells (the planner's
     input, :func:`probed_epoch_s`); 0: no probe."""
     strategy_hosts: int = 0
     """> 0: every strategy ``kaisoku plan`` compares at this many hosts is measured as a cell too (the
@@ -418,43 +420,51 @@ def predicted_efficiency(plan: ScalingPlan, hosts: int, exchange: float) -> floa
     return predicted_epoch_s(plan, 1, 0.0) / predicted_epoch_s(plan, hosts, exchange)
 
 
-def probe_host(box: Any, plan: ScalingPlan, host: int, env: dict[str, str]) -> dict[str, Any]:
-    """``kaisoku probe`` of host ``host``'s mount, run on that host as a user would on a node; the
-    profile it wrote. RuntimeError naming its log when it fails."""
+def probe_hosts(box: Any, plan: ScalingPlan, env: dict[str, str]) -> dict[str, Any]:
+    """``kaisoku probe`` of every host's mount under torchrun (one agent per host, one rank each, as a
+    user runs it across a job's nodes): each host reads its own mount, all at once, and the links between
+    every pair of hosts are timed; the one profile host 0 wrote. RuntimeError naming a log when one fails."""
     import tomllib  # noqa: PLC0415 - only the probe's profile is read here
 
     work = Path(plan.work)
-    out, local = work / f"probe-h{host}.toml", work / f"probe-h{host}-local"
-    local.mkdir(exist_ok=True)
-    argv = [sys.executable, "-m", "kaisoku", "probe", plan.mounts[host], "--out", str(out),
-            "--seconds", f"{plan.probe_seconds:g}", "--local", str(local)]  # fmt: skip
-    with (work / f"probe-h{host}.log").open("w") as log:
-        proc = box.popen(host, argv, env=env, cwd=work, mount=False, stdout=log, stderr=subprocess.STDOUT)
-    if proc.wait(120 + 4 * plan.probe_seconds) != 0:
-        raise RuntimeError(f"kaisoku probe exited with {proc.returncode}; see {work}/probe-h{host}.log")
-    shutil.rmtree(local, ignore_errors=True)
+    out = work / "probe.toml"
+    agents = []
+    for host in range(plan.hosts):
+        local = work / f"probe-h{host}-local"
+        local.mkdir(exist_ok=True)
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(plan.hosts),
+                "--nproc-per-node", "1", "--node-rank", str(host), "--master-addr", box.members[0].address,
+                "--master-port", str(PROBE_PORT), "-m", "kaisoku", "probe", plan.mounts[host],
+                "--out", str(out), "--seconds", f"{plan.probe_seconds:g}", "--local-dir", str(local)]  # fmt: skip
+        with (work / f"probe-h{host}.log").open("w") as log:
+            agents.append(
+                box.popen(host, argv, env=env, cwd=work, mount=False, stdout=log, stderr=subprocess.STDOUT)
+            )
+    deadline = time.monotonic() + 180 + 6 * plan.probe_seconds
+    for host, agent in enumerate(agents):
+        try:
+            code = agent.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"kaisoku probe ran over its time; see {work}/probe-h{host}.log") from None
+        if code != 0:
+            raise RuntimeError(f"kaisoku probe exited with {code}; see {work}/probe-h{host}.log")
+    for host in range(plan.hosts):
+        shutil.rmtree(work / f"probe-h{host}-local", ignore_errors=True)
     return tomllib.loads(out.read_text())
 
 
 def _probed_cluster(plan: ScalingPlan, profile: dict[str, Any], hosts: int) -> Any:
-    """The cluster ``kaisoku plan`` reads from the probe of host 0, at ``hosts`` hosts.
-
-    The probe sees one host's mount; each host of the box has a link of its own, so the shared storage's
-    aggregate at ``r`` readers (one a host) is ``r`` times the probe's one-reader bandwidth. The node
-    bandwidth is the links' rate (a probe on one node measures only its loopback), and no compute runs."""
+    """The cluster ``kaisoku plan`` reads from the probe of every host (:func:`probe_hosts`), at ``hosts``
+    hosts (the first ``hosts`` of the box): its shared storage, hosts and links as measured; one reader
+    per host (a cell's loader runs one worker), the cell's batch, room for every set and no compute."""
     # The driver's start-up stays free of the planner until a prediction is asked for.
     from kaisoku.plan.cluster import cluster_from_dict  # noqa: PLC0415
-    from kaisoku.plan.model import RateTable  # noqa: PLC0415
 
     probed = cluster_from_dict({**profile, "cluster": {**profile["cluster"], "nodes": hosts}}, "probe")
-    one_reader = probed.fs_seq.at(1)
-    readers = (1, 2, 4, 8, 16)
     return replace(
         probed,
         ranks_per_node=1,
         readers_per_node=1,
-        fs_seq=RateTable(readers, tuple(one_reader * r for r in readers)),
-        network_bw=plan.rate_mbit * 1e6 / 8,
         local_capacity=1e12,
         ram_capacity=1e12,
         step_seconds=0.0,
@@ -464,7 +474,7 @@ def _probed_cluster(plan: ScalingPlan, profile: dict[str, Any], hosts: int) -> A
 
 
 def probed_epoch_s(plan: ScalingPlan, profile: dict[str, Any], row: dict[str, Any]) -> float:
-    """The first epoch ``kaisoku plan``'s model predicts for ``row``'s cell from the probe of host 0
+    """The first epoch ``kaisoku plan``'s model predicts for ``row``'s cell from the probe of every host
     (:func:`_probed_cluster`)."""
     hosts, exchange = row["hosts"], row["exchange"]
     cluster = _probed_cluster(plan, profile, hosts)
@@ -473,7 +483,7 @@ def probed_epoch_s(plan: ScalingPlan, profile: dict[str, Any], row: dict[str, An
 
 def strategy_plan(plan: ScalingPlan, profile: dict[str, Any] | None) -> dict[str, Any]:
     """``kaisoku plan --json --epochs 1`` for the cell of :attr:`ScalingPlan.strategy_hosts` hosts: every
-    strategy's predicted first epoch and shuffle quality, and the recommendation, from the probe of host 0
+    strategy's predicted first epoch and shuffle quality, and the recommendation, from the probe of every host
     (the box's nominal links without one). One epoch, because a cell times one epoch; the default target
     AU (:data:`PLANNER_AU`)."""
     # The planner's table (numpy, the shuffle-quality functions) loads only once a run asks for it.
@@ -483,13 +493,16 @@ def strategy_plan(plan: ScalingPlan, profile: dict[str, Any] | None) -> dict[str
     hosts = plan.strategy_hosts
     cluster = _probed_cluster(plan, profile, hosts) if profile else _nominal_cluster(plan, hosts)
     record = plan_record(cluster, _cell_dataset(plan, hosts), hosts, PLANNER_AU, epochs=1)
-    return {**record, "cluster": "probe of host 0" if profile else "the box's nominal links"}
+    return {**record, "cluster": "probe of every host" if profile else "the box's nominal links"}
 
 
 def unseen_plan(work: Path) -> ScalingPlan:
     """The planner's cells on a box it was never built on: 3 hosts at 8 Mbit/s, host 2 at 4 (asymmetric),
     2 hosts (both fast) and 3, Q = 0.25 and 0, and every strategy ``kaisoku plan`` compares at 2 hosts;
-    host 0's mount probed first."""
+    every host's mount probed first.
+
+    Frozen (``tests/bench/test_cluster_helpers.py`` pins it): the planner was never built or tuned on these
+    cells; the scaling box (:func:`plan_for`) is the one its terms were written against."""
     return replace(
         plan_for(False, work),
         sizes=(2, 3),
@@ -527,7 +540,7 @@ def measure(
     plan: ScalingPlan, *, timeout: float
 ) -> tuple[list[dict[str, Any]], ScalingPlan, dict[str, Any] | None]:
     """Build the box (the plan's hosts, each link shaped, and a storage host serving the packed sets over
-    sshfs to each host), probe host 0's mount where the plan asks, run every cell; the rows with the
+    sshfs to each host), probe every host's mount where the plan asks, run every cell; the rows with the
     planner's predictions, the plan as run and the probe's profile (None without a probe)."""
     work = Path(plan.work)
     shared = work / "shared"
@@ -544,7 +557,7 @@ def measure(
             mount.remount(0.0)
             where.append(str(mount.mount))
         ready = replace(plan, mounts=tuple(where), master=f"{box.members[0].address}:{STORE_PORT}")
-        profile = probe_host(box, ready, 0, env) if plan.probe_seconds > 0 else None
+        profile = probe_hosts(box, ready, env) if plan.probe_seconds > 0 else None
         extra = strategy_cells(ready)
         rows = [
             {

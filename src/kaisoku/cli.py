@@ -387,7 +387,7 @@ def cmd_report(argv: Sequence[str]) -> int:
 def cmd_probe(argv: Sequence[str]) -> int:
     """``kaisoku probe PATH [--out machine.toml] [--seconds S]``; ``--train CONFIG`` is read as ``kaisoku train
     --config CONFIG`` reads it."""
-    from kaisoku.plan.probe import cmd_probe as run  # start-up: loaded only when this command runs
+    from kaisoku.plan.probe_command import cmd_probe as run  # start-up: loaded only when this command runs
 
     return run(argv, train_config=lambda path: resolve_config(["--config", path])[0])
 

@@ -4,7 +4,7 @@ the launcher's rendezvous clocks."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -170,19 +170,51 @@ def test_the_bench_clocks_reach_torchruns_rendezvous_and_the_default_is_unchange
     )
 
 
-def test_a_probe_that_saw_the_link_rate_predicts_what_the_nominal_links_do(tmp_path: Path) -> None:
+def test_a_probe_of_every_host_that_saw_the_link_rates_predicts_what_the_nominal_links_do(
+    tmp_path: Path,
+) -> None:
     plan = replace(scaling.plan_for(False, tmp_path), sample_bytes=1500.0)
-    link_mb = plan.rate_mbit / 8  # MB/s
+    link = plan.rate_mbit / 8  # MB/s: each host's own link, to the storage and to the others
+    hosts = 4
     profile = {
-        "cluster": {"name": "box", "nodes": 1},
-        "shared_fs": {"readers": [1, 2], "seq_read_MBps": [link_mb, link_mb], "small_reads_per_s": [50, 60]},
-        "network": {"node_bandwidth_MBps": 1000.0},
-    }
-    for hosts, exchange in ((1, 0.0), (2, 0.25), (4, 0.0)):
-        row = {"hosts": hosts, "exchange": exchange}
+        "cluster": {"name": "box", "nodes": hosts},
+        "shared_fs": {"readers": [hosts, 2 * hosts], "seq_read_MBps": [hosts * link] * 2,
+                      "small_reads_per_s": [50, 60]},
+        "network": {"node_bandwidth_MBps": link,
+                    "links_MBps": [[0.0 if i == j else link for j in range(hosts)] for i in range(hosts)]},
+        "host": [{"name": f"h{h}", "seq_read_MBps": [link] * 2, "small_reads_per_s": [12.5, 15]}
+                 for h in range(hosts)],
+    }  # fmt: skip
+    for cell_hosts, exchange in ((1, 0.0), (2, 0.25), (4, 0.0), (4, 0.25)):
+        row = {"hosts": cell_hosts, "exchange": exchange}
         assert scaling.probed_epoch_s(plan, profile, row) == pytest.approx(
-            scaling.predicted_epoch_s(plan, hosts, exchange), rel=0.01
+            scaling.predicted_epoch_s(plan, cell_hosts, exchange), rel=0.01
         )
+    # One host's link at half the rate: every cell it is in waits for it, the cells without it do not.
+    profile["host"][3]["seq_read_MBps"] = [link / 2] * 2
+    for row in profile["network"]["links_MBps"]:
+        row[3] = row[3] and link / 2
+    profile["network"]["links_MBps"][3] = [0.0 if j == 3 else link / 2 for j in range(hosts)]
+    two, four = {"hosts": 2, "exchange": 0.25}, {"hosts": 4, "exchange": 0.25}
+    assert scaling.probed_epoch_s(plan, profile, two) == pytest.approx(
+        scaling.predicted_epoch_s(plan, 2, 0.25), rel=0.2
+    )
+    assert scaling.probed_epoch_s(plan, profile, four) > 1.5 * scaling.predicted_epoch_s(plan, 4, 0.25)
+
+
+def test_the_unseen_box_is_frozen(tmp_path: Path) -> None:
+    """The cells the planner is judged on were chosen before the model took per-host and per-link rates,
+    and stay as they are: a change here is a new unseen set, to be recorded as such."""
+    unseen = asdict(scaling.unseen_plan(tmp_path))
+    for key in ("work", "mounts", "master", "sample_bytes"):
+        del unseen[key]
+    assert unseen == {
+        "sizes": (2, 3), "repeats": 3, "per_host": 1000, "batch": 32, "exchanges": (0.25, 0.0),
+        "rate_mbit": 8.0, "image_size": 32, "shard_bytes": 128 * 1024, "slow_links": ((2, 4.0),),
+        "probe_seconds": 8.0, "strategy_hosts": 2,
+    }  # fmt: skip
+    fitted = scaling.plan_for(False, tmp_path)
+    assert (fitted.rate_mbit, fitted.sizes, fitted.slow_links) == (4.0, (1, 2, 4), ())  # named apart
 
 
 def test_planner_errors_judge_each_cells_median_and_each_repeats_worst() -> None:

@@ -8,7 +8,11 @@ plain byte counts. The layout (every key of ``examples/clusters/*.toml``)::
     [shared_fs]  readers = [1, 2, 4, ...], seq_read_MBps = [...], small_reads_per_s = [...],
                  small_file_bytes; optional seq_read_MBps_low/_high and small_reads_per_s_low/_high
                  (the slowest and fastest of the passes behind each figure, as kaisoku probe writes them)
-    [network]    node_bandwidth_MBps; optional node_bandwidth_MBps_low/_high
+    [network]    node_bandwidth_MBps; optional node_bandwidth_MBps_low/_high; optional links_MBps, an N x N
+                 matrix (host i to host j, the diagonal unused) with links_MBps_low/_high, N the hosts
+    [[host]]     optional, one per probed host, in the job's order: name, seq_read_MBps and
+                 small_reads_per_s (its rate at each shared_fs.readers point, all hosts reading),
+                 local_read_MBps, local_write_MBps, ram_bandwidth_MBps
     [local]      path, capacity, read_MBps, write_MBps
     [ram]        capacity, bandwidth_MBps
     [compute]    step_seconds, batch_per_rank, loader_samples_per_s (a node's loader from RAM; 0: no limit)
@@ -38,13 +42,21 @@ _SECTIONS = {
         "small_file_bytes",
         *(f"{key}_{end}" for key in ("seq_read_MBps", "small_reads_per_s") for end in ("low", "high")),
     },
-    "network": {"node_bandwidth_MBps", "node_bandwidth_MBps_low", "node_bandwidth_MBps_high"},
+    "network": {
+        "node_bandwidth_MBps",
+        *(f"{key}_{end}" for key in ("node_bandwidth_MBps", "links_MBps") for end in ("low", "high")),
+        "links_MBps",
+    },
+    "host": None,  # an array of tables, checked by _hosts
     "local": {"path", "capacity", "read_MBps", "write_MBps"},
     "ram": {"capacity", "bandwidth_MBps"},
     "compute": {"step_seconds", "batch_per_rank", "loader_samples_per_s"},
     "probe": None,  # free-form: how the numbers were measured
     "dataset": None,  # a cluster file may carry a dataset too
 }
+_HOST_KEYS = {
+    "name", "seq_read_MBps", "small_reads_per_s", "local_read_MBps", "local_write_MBps", "ram_bandwidth_MBps",
+}  # fmt: skip
 _DATASET_KEYS = {"name", "samples", "sample_bytes", "sample_bytes_std", "samples_per_file", "shard_bytes"}
 
 
@@ -157,6 +169,74 @@ def _rate_range(r: _Reader, key: str, middle: float) -> tuple[float, float] | No
     return low, high
 
 
+def _hosts(
+    r: _Reader, readers: tuple[int, ...]
+) -> tuple[tuple[str, ...], tuple[float, ...], tuple[float, ...]]:
+    """The ``[[host]]`` tables: names, and each host's sequential and small-file rate over the hosts' mean
+    (the median over the reader counts)."""
+    hosts = r.data.get("host", [])
+    if not isinstance(hosts, list) or not all(isinstance(h, dict) for h in hosts):
+        raise ConfigError(f"{r.where}: host must be an array of tables ([[host]])")
+    names, seq, small = [], [], []
+    for i, block in enumerate(hosts):
+        for key in block:
+            if key not in _HOST_KEYS:
+                raise ConfigError(
+                    f"{r.where}: unknown key host[{i}].{key}; expected one of {', '.join(sorted(_HOST_KEYS))}"
+                )
+        one = _Reader(r.where, {f"host[{i}]": block})
+        names.append(str(one.raw(f"host[{i}].name", f"host {i}")))
+        seq.append(one.table(f"host[{i}].seq_read_MBps", readers, MB).values)
+        small.append(one.table(f"host[{i}].small_reads_per_s", readers, 1.0).values)
+
+    def shares(tables: list[tuple[float, ...]]) -> tuple[float, ...]:
+        means = [sum(column) / len(column) for column in zip(*tables, strict=True)]
+        return tuple(sorted(v / m for v, m in zip(t, means, strict=True))[len(means) // 2] for t in tables)
+
+    return tuple(names), (shares(seq) if names else ()), (shares(small) if names else ())
+
+
+def _links(r: _Reader, key: str, hosts: int) -> tuple[tuple[float, ...], ...]:
+    """``network.<key>``: an ``hosts`` x ``hosts`` matrix of link rates (MB/s; the diagonal unused)."""
+    rows = r.raw(key)
+    if (
+        not isinstance(rows, list)
+        or len(rows) != hosts
+        or any(not isinstance(row, list) or len(row) != hosts for row in rows)
+    ):
+        raise r._fail(key, f"must be a {hosts} x {hosts} matrix, one row and column per [[host]]")
+    out = []
+    for i, row in enumerate(rows):
+        for j, value in enumerate(row):
+            if i != j and (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0):
+                raise r._fail(f"{key}[{i}][{j}]", f"must be a number > 0 (got {value!r})")
+        out.append(tuple(float(v) * MB if i != j else 0.0 for j, v in enumerate(row)))
+    return tuple(out)
+
+
+def _link_matrices(
+    r: _Reader, hosts: int
+) -> tuple[
+    tuple[tuple[float, ...], ...], tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]] | None
+]:
+    """``network.links_MBps`` and its optional range, each entry bracketing the median's."""
+    if r.raw("network.links_MBps", False) is False:
+        if _paired(r, "network.links_MBps"):
+            raise r._fail("network.links_MBps", "is missing (its _low and _high are given)")
+        return (), None
+    if hosts < 2:
+        raise r._fail("network.links_MBps", "needs a [[host]] table per host (two or more)")
+    middle = _links(r, "network.links_MBps", hosts)
+    if not _paired(r, "network.links_MBps"):
+        return middle, None
+    low, high = _links(r, "network.links_MBps_low", hosts), _links(r, "network.links_MBps_high", hosts)
+    for i in range(hosts):
+        for j in range(hosts):
+            if i != j:
+                _bracket(r, f"network.links_MBps[{i}][{j}]", low[i][j], middle[i][j], high[i][j], MB)
+    return middle, (low, high)
+
+
 def _check_keys(where: str, data: dict[str, Any], sections: dict[str, set[str] | None]) -> None:
     for section, block in data.items():
         if section not in sections:
@@ -189,6 +269,8 @@ def cluster_from_dict(data: dict[str, Any], where: str = "cluster") -> Cluster:
     fs_seq = r.table("shared_fs.seq_read_MBps", readers, MB)
     fs_small = r.table("shared_fs.small_reads_per_s", readers, 1.0)
     network_bw = r.number("network.node_bandwidth_MBps") * MB
+    names, seq_share, small_share = _hosts(r, readers)
+    links, links_range = _link_matrices(r, len(names))
     return Cluster(
         name=str(r.raw("cluster.name", "cluster")),
         nodes=nodes,
@@ -201,6 +283,11 @@ def cluster_from_dict(data: dict[str, Any], where: str = "cluster") -> Cluster:
         small_file_bytes=r.size("shared_fs.small_file_bytes", 1500, positive=True),
         network_bw=network_bw,
         network_range=_rate_range(r, "network.node_bandwidth_MBps", network_bw),
+        host_names=names,
+        host_seq_share=seq_share,
+        host_small_share=small_share,
+        links=links,
+        links_range=links_range,
         local_capacity=r.size("local.capacity", 0),
         local_read_bw=r.number("local.read_MBps", 1000.0) * MB,
         local_write_bw=r.number("local.write_MBps", 1000.0) * MB,

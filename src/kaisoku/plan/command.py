@@ -156,7 +156,25 @@ def plan_record(
             if ends
             else "none: the cluster file gives one figure per rate (kaisoku probe writes their spread)"
         ),
+        **({"hosts": hosts_record(cluster, nodes)} if cluster.host_names else {}),
     }
+
+
+def hosts_record(cluster: Cluster, nodes: int) -> dict[str, Any]:
+    """The probed hosts a job of ``nodes`` nodes runs on, its slowest reader and its slowest link."""
+    job = cluster.in_job(nodes)
+    share, slowest = cluster.slowest_share(cluster.host_seq_share, nodes)
+    out: dict[str, Any] = {
+        "probed": list(cluster.host_names),
+        "in_job": [cluster.host_names[h] for h in job],
+        "slowest_reader": {"host": slowest, "share_of_mean": round(share, 3)},
+    }
+    if cluster.links and len(job) > 1:
+        rate, i, j = min((cluster.links[i][j], i, j) for i in job for j in job if i != j)
+        out["slowest_link"] = {
+            "from": cluster.host_names[i], "to": cluster.host_names[j], "MBps": round(rate / 1e6, 3),
+        }  # fmt: skip
+    return out
 
 
 def _row(p: Prediction, cluster: Cluster, dataset: Dataset, nodes: int, epochs: int) -> dict[str, Any]:
@@ -237,6 +255,17 @@ def show(record: dict[str, Any]) -> None:
             row["bound"],
         )
     console.print(table)
+    hosts = record.get("hosts")
+    if hosts:
+        line = (
+            f"hosts: {len(hosts['in_job'])} of {len(hosts['probed'])} probed in the job; the slowest reader, "
+            f"{hosts['slowest_reader']['host']}, reads at {hosts['slowest_reader']['share_of_mean']:.2f} of "
+            "their mean"
+        )
+        link = hosts.get("slowest_link")
+        if link:
+            line += f"; the slowest link, {link['from']} to {link['to']}, carries {link['MBps']:g} MB/s"
+        console.print(line, highlight=False)
     rec = record["recommendation"]
     console.print(f"recommended: [bold]{rec['strategy']}[/bold]: {rec['why']}", highlight=False)
     console.print(f"kaisoku train {rec['flags']}", highlight=False, soft_wrap=True)

@@ -24,6 +24,11 @@ Strategies and their cost (D: dataset bytes, N: nodes, M: samples, C: a node's l
                   Q * D / N bytes with the other nodes every epoch (before the epoch's loop)
     local-only    partial with Q = 0
 
+A cluster probed host by host (``kaisoku probe`` under torchrun or srun) also carries each host's share of
+the shared FS's per-node rate and the rate of every link between hosts. A synchronous epoch waits for its
+slowest host: staging and per-file reads run at the aggregate's per-node rate times the slowest share in
+the job, and the exchange takes the slowest node's sum over its links of the bytes it sends each peer.
+
 An epoch overlaps I/O with compute: epoch = exchange + max(compute, I/O), AU = compute / epoch. The
 first epoch of a staged strategy also waits, before its first batch, for the staging of the shards that
 batch touches (:func:`first_batch_fraction`: all of them for a global order whose node batch is larger
@@ -108,11 +113,24 @@ class Cluster:
     """The slowest and the fastest of the probe's passes behind ``fs_small``."""
     network_range: tuple[float, float] | None = None
     """The slowest and the fastest measurement behind ``network_bw``."""
+    host_names: tuple[str, ...] = ()
+    """The probed hosts, in the job's order (empty: the cluster is described as one kind of node)."""
+    host_seq_share: tuple[float, ...] = ()
+    """Each probed host's sequential read rate from the shared FS over the hosts' mean (1.0: average)."""
+    host_small_share: tuple[float, ...] = ()
+    """Each probed host's small-file read rate over the hosts' mean."""
+    links: tuple[tuple[float, ...], ...] = ()
+    """``links[i][j]``: bytes/s from probed host ``i`` to host ``j`` (empty: every link is ``network_bw``)."""
+    links_range: tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]] | None = None
+    """The slowest and the fastest transfer behind each of ``links``."""
 
     @property
     def has_spread(self) -> bool:
         """Whether any figure comes with the spread of its measurements."""
-        return any(r is not None for r in (self.fs_seq_range, self.fs_small_range, self.network_range))
+        return any(
+            r is not None
+            for r in (self.fs_seq_range, self.fs_small_range, self.network_range, self.links_range)
+        )
 
     def at_end(self, end: int) -> Cluster:
         """This cluster with every figure at the slow (``end`` 0) or fast (1) end of its measured spread
@@ -122,7 +140,33 @@ class Cluster:
             fs_seq=self.fs_seq_range[end] if self.fs_seq_range else self.fs_seq,
             fs_small=self.fs_small_range[end] if self.fs_small_range else self.fs_small,
             network_bw=self.network_range[end] if self.network_range else self.network_bw,
+            links=self.links_range[end] if self.links_range else self.links,
         )
+
+    def in_job(self, nodes: int) -> range:
+        """The probed hosts a job of ``nodes`` nodes runs on: the first ``nodes`` of them, or all of them
+        when the job is larger (its other nodes are taken to be like the probed ones, the slowest included)."""
+        return range(min(nodes, len(self.host_names)))
+
+    def slowest_share(self, shares: tuple[float, ...], nodes: int) -> tuple[float, str]:
+        """The smallest of ``shares`` (a per-host table) among the job's hosts, and that host's name;
+        (1.0, "") where the cluster has no per-host figures. A synchronous epoch waits for that host."""
+        hosts = self.in_job(nodes)
+        if not shares or not hosts:
+            return 1.0, ""
+        slowest = min(hosts, key=lambda h: shares[h])
+        return shares[slowest], self.host_names[slowest]
+
+    def exchange_seconds(self, nbytes: float, nodes: int) -> float:
+        """Seconds for every node to send ``nbytes`` spread evenly over the other nodes: the slowest node's
+        sum over its links (each link at its probed rate), or ``nbytes / network_bw`` without them."""
+        hosts = self.in_job(nodes)
+        if nbytes <= 0 or nodes < 2:
+            return 0.0
+        if not self.links or len(hosts) < 2:
+            return nbytes / self.network_bw
+        each = nbytes / (len(hosts) - 1)
+        return max(sum(each / self.links[i][j] for j in hosts if j != i) for i in hosts)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,12 +245,17 @@ def strategies(nodes: int) -> list[Strategy]:
     return out
 
 
-def perfile_seconds(cluster: Cluster, files: float, file_bytes: float, readers: float) -> float:
-    """Seconds for ``readers`` concurrent readers to open and read ``files`` files of ``file_bytes`` each."""
+def perfile_seconds(
+    cluster: Cluster, files: float, file_bytes: float, readers: float, nodes: int = 1
+) -> float:
+    """Seconds for ``readers`` concurrent readers over ``nodes`` nodes to open and read ``files`` files of
+    ``file_bytes`` each, each node its share; the slowest probed host's share bounds it."""
     if files <= 0:
         return 0.0
     extra = max(0.0, file_bytes - cluster.small_file_bytes)
-    return files / cluster.fs_small.at(readers) + files * extra / cluster.fs_seq.at(readers)
+    small, _ = cluster.slowest_share(cluster.host_small_share, nodes)
+    seq, _ = cluster.slowest_share(cluster.host_seq_share, nodes)
+    return files / (cluster.fs_small.at(readers) * small) + files * extra / (cluster.fs_seq.at(readers) * seq)
 
 
 def tier_read_seconds(cluster: Cluster, nbytes: float, resident: float) -> float:
@@ -263,11 +312,19 @@ def predict(cluster: Cluster, dataset: Dataset, strategy: Strategy, nodes: int |
     loader_s = m / n / cluster.loader_rate if cluster.loader_rate > 0 else 0.0
     node_batch = cluster.ranks_per_node * cluster.batch_per_rank
     notes: list[str] = []
+    # A staging node reads its share at the aggregate's per-node rate times its host's share; the
+    # slowest host in the job finishes last, and a synchronous epoch waits for it.
+    share_seq, slow_host = cluster.slowest_share(cluster.host_seq_share, n)
+    fs_node_seq = cluster.fs_seq.at(n) * share_seq
+    if share_seq < 0.9:
+        notes.append(
+            f"host {slow_host} reads the shared FS at {share_seq:.2f} of the hosts' mean: it bounds staging"
+        )
     network = 0.0
     lead, stage_first = 0.0, 0.0  # staging the first batch waits for (a fraction of stage_first seconds)
     if not strategy.staged:
         files = m / dataset.samples_per_file
-        io = perfile_seconds(cluster, files, b * dataset.samples_per_file, readers)
+        io = perfile_seconds(cluster, files, b * dataset.samples_per_file, readers, n)
         first_io = steady_io = io
         local, fs_first, fs_steady = 0.0, d, d
         exchange_s = 0.0
@@ -276,7 +333,7 @@ def predict(cluster: Cluster, dataset: Dataset, strategy: Strategy, nodes: int |
         kept = min(capacity, d)
         frac = kept / d if d > 0 else 1.0
         share = d / n
-        stage_s = n * kept / cluster.fs_seq.at(n)
+        stage_s = n * kept / fs_node_seq
         write_s = staging_write_seconds(cluster, kept)
         local_s = tier_read_seconds(cluster, share * frac, kept)
         exchange_s = 0.0
@@ -291,7 +348,7 @@ def predict(cluster: Cluster, dataset: Dataset, strategy: Strategy, nodes: int |
             local, fs_first, fs_steady = d, n * d, 0.0
             steady_parts = {"local tier": local_s}
         elif strategy.shuffle == "block":
-            stream_s = n * d / cluster.fs_seq.at(n)
+            stream_s = n * d / fs_node_seq
             first_io = steady_io = stream_s
             lead = 0.0
             window = min(d, 2 * BLOCK_SHARDS * dataset.shard_bytes)
@@ -299,7 +356,7 @@ def predict(cluster: Cluster, dataset: Dataset, strategy: Strategy, nodes: int |
             steady_parts = {"shared FS": stream_s}
             notes.append(f"local capacity {capacity:.3g} B < dataset {d:.3g} B: shards stream every epoch")
         else:
-            rest = perfile_seconds(cluster, m * (1.0 - frac), b, readers)
+            rest = perfile_seconds(cluster, m * (1.0 - frac), b, readers, n)
             stage_first, first_io = max(stage_s, write_s), local_s + rest
             steady_io = local_s + rest
             local, fs_first, fs_steady = kept, n * kept + d * (1 - frac), d * (1 - frac)
@@ -308,10 +365,10 @@ def predict(cluster: Cluster, dataset: Dataset, strategy: Strategy, nodes: int |
     else:  # partial / local-only
         home = d / n
         q = strategy.exchange
-        stage_s = d / cluster.fs_seq.at(n)
+        stage_s = d / fs_node_seq
         local_s = tier_read_seconds(cluster, home, home * (1 + q))
         write_s = staging_write_seconds(cluster, home)
-        exchange_s = q * home / cluster.network_bw
+        exchange_s = cluster.exchange_seconds(q * home, n)
         network = q * d
         # Q > 0: the exchange reads the records it sends, spread over the node's shards, before the loop.
         lead = 1.0 if q > 0 else first_batch_fraction(dataset.num_shards / n, node_batch)

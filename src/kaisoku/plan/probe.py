@@ -9,7 +9,7 @@ Measured, each within a share of ``--seconds``:
   and of the RAM tier (/dev/shm);
 * with ``--train CONFIG``: the compute time of one training step of that ``kaisoku train`` config
   (:func:`measure_step`), written as ``[compute] step_seconds`` and ``batch_per_rank``; the config is
-  resolved by the function :func:`cmd_probe` is handed (the command line's, which ``kaisoku train`` uses).
+  resolved by the function :func:`kaisoku.plan.probe_command.cmd_probe` is handed (the command line's, which ``kaisoku train`` uses).
 
 Every figure is measured in :data:`REPEATS` passes (each on files of its own where files are written): the
 profile keeps their median and, as ``<key>_low`` and ``<key>_high``, the slowest and the fastest, which
@@ -38,7 +38,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kaisoku.command_parser import CommandParser
 from kaisoku.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -190,12 +189,19 @@ def probe(
     ram: str | Path = "/dev/shm",
     readers: Sequence[int] = READERS,
     progress: Callable[[str, float], None] | None = None,
+    sync: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """Measure and return the profile as a TOML-ready mapping (see the module docstring)."""
+    """Measure and return the profile as a TOML-ready mapping (see the module docstring).
+
+    ``sync``: called before every read pass of the shared file system, the same number of times on
+    every host whose ``path`` is writable alike; the probe of a job's hosts passes a barrier, so that
+    every host reads together and each figure is what a host gets while all of them read.
+    """
     root = Path(path)
     if not root.is_dir():
         raise ConfigError(f"kaisoku probe: {root} is not a folder")
     report = progress or (lambda what, fraction: None)
+    together = sync or (lambda: None)
     started = time.monotonic()
     dropped = can_drop_caches()
     cache_note = (
@@ -230,6 +236,7 @@ def probe(
                         _write_file(p, big, sync=False)
                         files.append(p)
                     drop_caches()
+                    together()
                     s, n, _ = parallel_read(files, count, time.monotonic() + per_pass * 4 / REPEATS)
                     rates.append(n / s)
                 seq.append(rates)
@@ -252,6 +259,7 @@ def probe(
                     rates = []
                     for repeat in range(REPEATS):  # each pass its own share of the files
                         drop_caches()
+                        together()
                         share = order[repeat::REPEATS] or order
                         s, _, done = parallel_read(share, count, time.monotonic() + per_pass / REPEATS)
                         rates.append(done / s)
@@ -278,10 +286,12 @@ def probe(
                 small.append([])
                 for repeat in range(REPEATS):
                     drop_caches()
+                    together()
                     # Every pass reads all the large files it can in its time share (one file is latency).
                     s, n, _ = parallel_read(large, count, time.monotonic() + per_pass / REPEATS)
                     seq[-1].append(n / s)
                     drop_caches()
+                    together()
                     share = spread(little)[repeat::REPEATS] or little
                     s, _, done = parallel_read(share, count, time.monotonic() + per_pass / REPEATS)
                     small[-1].append(done / s)
@@ -408,70 +418,3 @@ def measure_step(cfg: Config, *, config: str | Path, seconds: float = 10.0, rank
             f"after 2 warm-up steps; {classes} outputs"
         ),
     }
-
-
-def cmd_probe(argv: Sequence[str], *, train_config: Callable[[str], Config]) -> int:
-    """``kaisoku probe PATH [--out machine.toml] [--seconds S] [--local DIR] [--train CONFIG [--ranks N]]``.
-
-    ``train_config(path)`` turns the ``--train`` file into the Config ``kaisoku train`` would run with.
-    """
-    import tomli_w
-    from rich.progress import Progress
-
-    parser = CommandParser(
-        prog="kaisoku probe",
-        description=(
-            "Measure the file system holding PATH (sequential and small-file reads vs readers) and this "
-            "node's local disk and RAM tiers; write a cluster TOML profile for kaisoku plan."
-        ),
-    )
-    parser.add_argument("path", help="a folder on the file system to measure (scratch files go under it)")
-    parser.add_argument("--out", default="machine.toml", help="profile to write (default machine.toml)")
-    parser.add_argument("--seconds", type=float, default=60.0, help="time budget (default 60)")
-    parser.add_argument("--local", default="", help="node-local folder to measure (default: the temp folder)")
-    parser.add_argument(
-        "--train", default="", metavar="CONFIG",
-        help="also time one training step of this kaisoku train config (TOML) into [compute]",
-    )  # fmt: skip
-    parser.add_argument(
-        "--ranks",
-        type=int,
-        default=0,
-        help="ranks the config's global batch is split over (default: its dist.nproc)",
-    )
-    args = parser.parse_args(list(argv))
-    if args.seconds <= 0:
-        raise ConfigError(f"--seconds must be > 0 (got {args.seconds})")
-    # A bad --train config stops here, before the file system is measured.
-    train_cfg = train_config(args.train) if args.train else None
-    with Progress(transient=True, disable=not sys.stderr.isatty()) as bar:
-        task = bar.add_task("probe", total=1.0)
-
-        def report(what: str, fraction: float) -> None:
-            bar.update(task, completed=fraction, description=what)
-
-        profile = probe(args.path, seconds=args.seconds, local=args.local or None, progress=report)
-    if train_cfg is not None:
-        seconds = min(30.0, max(1.0, args.seconds / 4))
-        step = measure_step(train_cfg, config=args.train, seconds=seconds, ranks=args.ranks)
-        profile["compute"] = {"step_seconds": step["step_seconds"], "batch_per_rank": step["batch_per_rank"]}
-        # The step was timed at the per-rank batch of this many ranks: the plan prices that many per node.
-        profile["cluster"]["ranks_per_node"] = step["ranks"]
-        profile["probe"]["compute_method"] = f"{step['method']}; config {step['config']}"
-    header = (
-        "# kaisoku probe profile: measured on this node (see [probe] for how); "
-        "nodes, ranks and network are to be set for the real cluster\n"
-    )
-    Path(args.out).write_text(header + tomli_w.dumps(profile))
-    fs = profile["shared_fs"]
-    compute = profile.get("compute")
-    if compute:
-        print(
-            f"compute: {compute['step_seconds']:.4g} s per step at batch {compute['batch_per_rank']} per rank"
-        )
-    print(
-        f"wrote {args.out}: sequential {fs['seq_read_MBps'][0]}..{max(fs['seq_read_MBps'])} MB/s, "
-        f"small files {fs['small_reads_per_s'][0]}..{max(fs['small_reads_per_s'])}/s "
-        f"({profile['probe']['seconds']} s)"
-    )
-    return 0
