@@ -83,6 +83,10 @@ class ScalingPlan:
     strategy_hosts: int = 0
     """> 0: every strategy ``kaisoku plan`` compares at this many hosts is measured as a cell too (the
     planner's recommendation is judged against them); 0: none."""
+    queue_ms: float = 500.0
+    """How long a packet may wait in a shaped link's queue before it is dropped (``tbf latency``). At 50 ms
+    (the box's default) a 4 Mbit/s link dropped packets of every burst and TCP's retransmission timeouts
+    spread a 1-host epoch over 3.2-4.7 s (4 repeats); at 500 ms it lies within 3.01-3.07 s."""
 
     def rate_of(self, host: int) -> float:
         """Host ``host``'s link rate in Mbit/s."""
@@ -547,7 +551,8 @@ def measure(
     shared.mkdir(parents=True)
     plan = replace(plan, sample_bytes=make_packs(plan, shared))
     hosts = plan.hosts
-    links = {host: Link(rate_mbit=plan.rate_of(host)) for host in range(hosts)}  # storage's: unshaped
+    # The storage host's link is unshaped: each host's own link is the only one it reads through.
+    links = {host: Link(rate_mbit=plan.rate_of(host), queue_ms=plan.queue_ms) for host in range(hosts)}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
     env["PYTHONPATH"] = python_path(env.get("PYTHONPATH", ""))
     with ClusterBox(hosts + 1, link=links) as box, contextlib.ExitStack() as mounts:

@@ -211,7 +211,7 @@ def test_the_unseen_box_is_frozen(tmp_path: Path) -> None:
     assert unseen == {
         "sizes": (2, 3), "repeats": 3, "per_host": 1000, "batch": 32, "exchanges": (0.25, 0.0),
         "rate_mbit": 8.0, "image_size": 32, "shard_bytes": 128 * 1024, "slow_links": ((2, 4.0),),
-        "probe_seconds": 8.0, "strategy_hosts": 2,
+        "probe_seconds": 8.0, "strategy_hosts": 2, "queue_ms": 500.0,
     }  # fmt: skip
     fitted = scaling.plan_for(False, tmp_path)
     assert (fitted.rate_mbit, fitted.sizes, fitted.slow_links) == (4.0, (1, 2, 4), ())  # named apart

@@ -31,8 +31,9 @@ FIGURE_BEFORE = re.compile(r"(?P<number>-?\d[\d,]*(?:\.\d+)?)(?P<unit>[^\d<>]{0,
 MEASURED = re.compile(
     r"(?<![\w.-])(?P<number>\d[\d,]*(?:\.\d+)?)\s?(?P<unit>µs|ms|samples/s|images/s|files/s|GB/s|MB/s|kernels)\b"
 )
-#: Units of a setup value rather than a measurement when the words after them say so (a link's delay).
-SETUP_AFTER = re.compile(r"^[^.;]{0,40}\b(RTT|delay)\b")
+#: Units of a setup value rather than a measurement when the words after them say so (a link's delay or
+#: its queue).
+SETUP_AFTER = re.compile(r"^[^.;]{0,40}\b(RTT|delay|queue)\b")
 
 
 def _select(node: Any, segment: str) -> Any:
