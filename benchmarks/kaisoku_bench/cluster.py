@@ -455,6 +455,8 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
                     )
                     unseen = [{"box": "unseen", **row} for row in unseen]
                     judged = (unseen, scaling.strategy_plan(unseen_box, profile), unseen_box)
+                    far, _, _ = scaling.measure(scaling.unseen_far_plan(work / "unseen-far"), timeout=600)
+                    unseen = unseen + [{"box": "unseen-far", **row} for row in far]  # judged keeps its rows
                 except (BoxUnavailable, RuntimeError, subprocess.SubprocessError, OSError) as error:
                     planner_reason = f"the planner's box run failed: {error}"
     summary = {

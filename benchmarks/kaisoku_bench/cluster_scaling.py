@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -83,6 +84,9 @@ class ScalingPlan:
     strategy_hosts: int = 0
     """> 0: every strategy ``kaisoku plan`` compares at this many hosts is measured as a cell too (the
     planner's recommendation is judged against them); 0: none."""
+    fs_delay_s: float = 0.0
+    """Seconds the storage's delay proxy holds every chunk of each host's sshfs traffic, each way (a file
+    system farther away: its round trip grows by twice this); 0: none."""
     queue_ms: float = 500.0
     """How long a packet may wait in a shaped link's queue before it is dropped (``tbf latency``). At 50 ms
     (the box's default) a 4 Mbit/s link dropped packets of every burst and TCP's retransmission timeouts
@@ -383,27 +387,48 @@ def make_packs(plan: ScalingPlan, shared: Path) -> float:
     return shard_bytes / read_index(train).num_samples
 
 
-def run_cells(box: Any, plan: ScalingPlan, env: dict[str, str], timeout: float) -> list[dict[str, Any]]:
-    """Start a rank on each host of ``box`` (its network only: the sshfs mounts are this process's), wait
-    for them and return their merged rows; RuntimeError naming the log of a rank that failed."""
+def _on_every_host(
+    box: Any,
+    plan: ScalingPlan,
+    env: dict[str, str],
+    argv_of: Callable[[int], list[str]],
+    log: str,
+    timeout: float,
+    what: str,
+) -> None:
+    """Start ``argv_of(host)`` on every host of ``box`` (its network only: the sshfs mounts are this
+    process's), output to ``WORK/<log with {} as the host>``, and wait for all of them within ``timeout``;
+    RuntimeError naming the log of one that failed or ran over."""
     work = Path(plan.work)
-    plan_file = work / "plan.json"
-    atomic_write_text(plan_file, json.dumps(asdict(plan)))
     procs = []
-    for rank in range(plan.hosts):
-        argv = [sys.executable, "-m", MODULE, "--plan", str(plan_file), "--rank", str(rank)]
-        with (work / f"rank-{rank}.log").open("w") as log:
+    for host in range(plan.hosts):
+        with (work / log.format(host)).open("w") as out:
             procs.append(
-                box.popen(rank, argv, env=env, cwd=work, mount=False, stdout=log, stderr=subprocess.STDOUT)
+                box.popen(
+                    host, argv_of(host), env=env, cwd=work, mount=False, stdout=out, stderr=subprocess.STDOUT
+                )
             )
     deadline = time.monotonic() + timeout
-    for rank, proc in enumerate(procs):
+    for host, proc in enumerate(procs):
         try:
             code = proc.wait(max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"the scaling ranks ran over {timeout:g} s; see {work}/rank-*.log") from None
+            raise RuntimeError(f"{what} ran over {timeout:g} s; see {work / log.format(host)}") from None
         if code != 0:
-            raise RuntimeError(f"scaling rank {rank} exited with {code}; see {work}/rank-{rank}.log")
+            raise RuntimeError(f"{what} on host {host} exited with {code}; see {work / log.format(host)}")
+
+
+def run_cells(box: Any, plan: ScalingPlan, env: dict[str, str], timeout: float) -> list[dict[str, Any]]:
+    """Start a rank on each host of ``box``, wait for them and return their merged rows; RuntimeError
+    naming the log of a rank that failed."""
+    work = Path(plan.work)
+    plan_file = work / "plan.json"
+    atomic_write_text(plan_file, json.dumps(asdict(plan)))
+
+    def argv_of(rank: int) -> list[str]:
+        return [sys.executable, "-m", MODULE, "--plan", str(plan_file), "--rank", str(rank)]
+
+    _on_every_host(box, plan, env, argv_of, "rank-{}.log", timeout, "a scaling rank")
     per_rank = [json.loads((work / f"rank-{rank}.json").read_text()) for rank in range(plan.hosts)]
     return cells(per_rank)
 
@@ -432,26 +457,16 @@ def probe_hosts(box: Any, plan: ScalingPlan, env: dict[str, str]) -> dict[str, A
 
     work = Path(plan.work)
     out = work / "probe.toml"
-    agents = []
-    for host in range(plan.hosts):
+
+    def argv_of(host: int) -> list[str]:
         local = work / f"probe-h{host}-local"
         local.mkdir(exist_ok=True)
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(plan.hosts),
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(plan.hosts),
                 "--nproc-per-node", "1", "--node-rank", str(host), "--master-addr", box.members[0].address,
                 "--master-port", str(PROBE_PORT), "-m", "kaisoku", "probe", plan.mounts[host],
                 "--out", str(out), "--seconds", f"{plan.probe_seconds:g}", "--local-dir", str(local)]  # fmt: skip
-        with (work / f"probe-h{host}.log").open("w") as log:
-            agents.append(
-                box.popen(host, argv, env=env, cwd=work, mount=False, stdout=log, stderr=subprocess.STDOUT)
-            )
-    deadline = time.monotonic() + 180 + 6 * plan.probe_seconds
-    for host, agent in enumerate(agents):
-        try:
-            code = agent.wait(max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"kaisoku probe ran over its time; see {work}/probe-h{host}.log") from None
-        if code != 0:
-            raise RuntimeError(f"kaisoku probe exited with {code}; see {work}/probe-h{host}.log")
+
+    _on_every_host(box, plan, env, argv_of, "probe-h{}.log", 180 + 6 * plan.probe_seconds, "kaisoku probe")
     for host in range(plan.hosts):
         shutil.rmtree(work / f"probe-h{host}-local", ignore_errors=True)
     return tomllib.loads(out.read_text())
@@ -518,6 +533,23 @@ def unseen_plan(work: Path) -> ScalingPlan:
     )
 
 
+def unseen_far_plan(work: Path) -> ScalingPlan:
+    """The planner's second unseen box, frozen before the model is changed again: 4 hosts at 16 Mbit/s
+    whose shared file system is 10 ms farther away (the proxy holds each chunk 5 ms each way), 64-px
+    images (samples about 3x the other boxes'), 500 samples a host; 1 host and 4 hosts, Q 0.5 and 0 (a
+    Q no other box uses); every host's mount probed first."""
+    return replace(
+        plan_for(False, work),
+        sizes=(1, 4),
+        per_host=500,
+        rate_mbit=16.0,
+        image_size=64,
+        fs_delay_s=0.005,
+        exchanges=(0.5, 0.0),
+        probe_seconds=8.0,
+    )
+
+
 def plan_for(quick: bool, work: Path) -> ScalingPlan:
     """The cells of a full run (1, 2 and 4 hosts, 3 repeats) or of ``--quick`` (1 and 2 hosts, once, a
     smaller set on faster links, and every strategy ``kaisoku plan`` compares at 2 hosts); mounts and store
@@ -559,7 +591,7 @@ def measure(
         where = []
         for client in range(hosts):
             mount = mounts.enter_context(SshfsMount(box, shared, storage=hosts, client=client))
-            mount.remount(0.0)
+            mount.remount(plan.fs_delay_s)
             where.append(str(mount.mount))
         ready = replace(plan, mounts=tuple(where), master=f"{box.members[0].address}:{STORE_PORT}")
         profile = probe_hosts(box, ready, env) if plan.probe_seconds > 0 else None

@@ -203,15 +203,24 @@ def test_a_probe_of_every_host_that_saw_the_link_rates_predicts_what_the_nominal
 
 
 def test_the_unseen_box_is_frozen(tmp_path: Path) -> None:
-    """The cells the planner is judged on were chosen before the model took per-host and per-link rates,
-    and stay as they are: a change here is a new unseen set, to be recorded as such."""
+    """The cells the planner is judged on stay as they are: the first box was chosen before the model took
+    per-host and per-link rates, the second (a farther file system, 1 and 4 hosts, larger samples, Q 0.5)
+    before any change after it. A change here is a new unseen set, to be recorded as such."""
     unseen = asdict(scaling.unseen_plan(tmp_path))
     for key in ("work", "mounts", "master", "sample_bytes"):
         del unseen[key]
     assert unseen == {
         "sizes": (2, 3), "repeats": 3, "per_host": 1000, "batch": 32, "exchanges": (0.25, 0.0),
         "rate_mbit": 8.0, "image_size": 32, "shard_bytes": 128 * 1024, "slow_links": ((2, 4.0),),
-        "probe_seconds": 8.0, "strategy_hosts": 2, "queue_ms": 500.0,
+        "probe_seconds": 8.0, "strategy_hosts": 2, "fs_delay_s": 0.0, "queue_ms": 500.0,
+    }  # fmt: skip
+    far = asdict(scaling.unseen_far_plan(tmp_path))
+    for key in ("work", "mounts", "master", "sample_bytes"):
+        del far[key]
+    assert far == {
+        "sizes": (1, 4), "repeats": 3, "per_host": 500, "batch": 32, "exchanges": (0.5, 0.0),
+        "rate_mbit": 16.0, "image_size": 64, "shard_bytes": 128 * 1024, "slow_links": (),
+        "probe_seconds": 8.0, "strategy_hosts": 0, "fs_delay_s": 0.005, "queue_ms": 500.0,
     }  # fmt: skip
     fitted = scaling.plan_for(False, tmp_path)
     assert (fitted.rate_mbit, fitted.sizes, fitted.slow_links) == (4.0, (1, 2, 4), ())  # named apart
