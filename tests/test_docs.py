@@ -23,13 +23,26 @@ EXAMPLES = [
 #: Optional packages a docs example may import (the hf and metrics extras); without them it is skipped.
 OPTIONAL = ("transformers", "datasets", "torchmetrics")
 
+#: Examples that train for a while (several ranks, or a recipe over many steps) run in the slow tier, so that
+#: the default tier stays within minutes; the README's own-model example keeps a 2-rank fit in it.
+SLOW = {"large-batch.md-0", "own-model.md-0"}
+
 
 def test_the_manual_has_examples_to_run() -> None:
     assert {page for page, _, _ in EXAMPLES} >= {"own-model.md", "large-batch.md", "memory-precision.md"}
+    assert SLOW <= {f"{page}-{index}" for page, index, _ in EXAMPLES}  # a renamed example stays in a tier
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("page", "index", "code"), EXAMPLES, ids=[f"{p}-{i}" for p, i, _ in EXAMPLES])
+@pytest.mark.parametrize(
+    ("page", "index", "code"),
+    [
+        pytest.param(
+            page, index, code, id=f"{page}-{index}", marks=[pytest.mark.slow] * (f"{page}-{index}" in SLOW)
+        )
+        for page, index, code in EXAMPLES
+    ],
+)
 def test_a_docs_example_runs(tmp_path: Path, page: str, index: int, code: str) -> None:
     optional = [name for name in OPTIONAL if re.search(rf"^(import|from) {name}\b", code, re.MULTILINE)]
     missing = [name for name in optional if importlib.util.find_spec(name) is None]

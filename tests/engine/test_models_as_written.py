@@ -182,6 +182,7 @@ def fit_and_write_summary(folder: str) -> None:
     (Path(folder) / f"summary-{rank}.json").write_text(json.dumps(summary))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_ranks_return_the_same_summary_with_the_loss_averaged_over_ranks(tmp_path: Path) -> None:
     script = tmp_path / "two_ranks.py"
@@ -233,6 +234,7 @@ def net(spec):
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_ranks_holding_other_data_are_refused_naming_the_rank(tmp_path: Path) -> None:
     (tmp_path / "rank_data.py").write_text(_RANK_DATA)

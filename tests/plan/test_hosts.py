@@ -182,6 +182,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_probe_under_torchrun_measures_every_host_and_their_links(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
