@@ -191,12 +191,13 @@ REMOVED_KEYS = {
 
 def _resolve(cfg: Any, dotted: str) -> tuple[Any, str, Any]:
     """Find the section object, field name and type that ``dotted`` names, or raise ConfigError."""
-    if _normalise_key(dotted) in REMOVED_KEYS:
-        raise ConfigError(REMOVED_KEYS[_normalise_key(dotted)])
-    moved = MOVED_KEYS.get(_normalise_key(dotted))
+    key = _normalise_key(dotted)
+    if key in REMOVED_KEYS:
+        raise ConfigError(REMOVED_KEYS[key])
+    moved = MOVED_KEYS.get(key)
     if moved:
         raise ConfigError(f"{dotted} is now {moved}; set {moved} instead (e.g. --{moved} bf16)")
-    parts = _normalise_key(dotted).split(".")
+    parts = key.split(".")
     obj = cfg
     for depth, part in enumerate(parts):
         cls = type(obj)

@@ -93,15 +93,13 @@ class HostGroup:
             if self.host not in (sender, receiver):
                 continue
             first = self._transfer(sender, receiver, _CALIBRATE_BYTES)
-            size = [0]
-            if self.host == receiver:
-                size[0] = int(min(_MAX_BYTES, max(_MIN_BYTES, _CALIBRATE_BYTES / max(first, 1e-6) * share)))
+            # The receiver decides the size; the sender learns it with each request.
+            size = int(min(_MAX_BYTES, max(_MIN_BYTES, _CALIBRATE_BYTES / max(first, 1e-6) * share)))
             rates = []
             for _ in range(repeats):
-                # The receiver decides the size; the sender learns it with each request.
-                taken = self._transfer(sender, receiver, size[0] or _MIN_BYTES)
+                taken = self._transfer(sender, receiver, size)
                 if self.host == receiver:
-                    rates.append(size[0] / taken)
+                    rates.append(size / taken)
             if rates:
                 mine[(sender, receiver)] = rates
         gathered = self.all_hosts(mine)

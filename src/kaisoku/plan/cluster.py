@@ -70,6 +70,11 @@ def _load(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{p}: not valid TOML ({error})") from None
 
 
+def _is_rate(value: object) -> bool:
+    """Whether a table entry is a rate: a number (not a bool) > 0."""
+    return not isinstance(value, bool) and isinstance(value, int | float) and value > 0
+
+
 class _Reader:
     """Typed, checked access to one TOML mapping; every error names ``<file>: <section>.<key>``."""
 
@@ -127,7 +132,7 @@ class _Reader:
             )
         out = []
         for i, value in enumerate(values):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            if not _is_rate(value):
                 raise self._fail(f"{key}[{i}]", f"must be a number > 0 (got {value!r})")
             out.append(float(value) * scale)
         return RateTable(readers, tuple(out))
@@ -179,11 +184,7 @@ def _hosts(
         raise ConfigError(f"{r.where}: host must be an array of tables ([[host]])")
     names, seq, small = [], [], []
     for i, block in enumerate(hosts):
-        for key in block:
-            if key not in _HOST_KEYS:
-                raise ConfigError(
-                    f"{r.where}: unknown key host[{i}].{key}; expected one of {', '.join(sorted(_HOST_KEYS))}"
-                )
+        _check_keys(r.where, {f"host[{i}]": block}, {f"host[{i}]": _HOST_KEYS})
         one = _Reader(r.where, {f"host[{i}]": block})
         names.append(str(one.raw(f"host[{i}].name", f"host {i}")))
         seq.append(one.table(f"host[{i}].seq_read_MBps", readers, MB).values)
@@ -208,7 +209,7 @@ def _links(r: _Reader, key: str, hosts: int) -> tuple[tuple[float, ...], ...]:
     out = []
     for i, row in enumerate(rows):
         for j, value in enumerate(row):
-            if i != j and (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0):
+            if i != j and not _is_rate(value):
                 raise r._fail(f"{key}[{i}][{j}]", f"must be a number > 0 (got {value!r})")
         out.append(tuple(float(v) * MB if i != j else 0.0 for j, v in enumerate(row)))
     return tuple(out)

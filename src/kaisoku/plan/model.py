@@ -245,9 +245,7 @@ def strategies(nodes: int) -> list[Strategy]:
     return out
 
 
-def perfile_seconds(
-    cluster: Cluster, files: float, file_bytes: float, readers: float, nodes: int = 1
-) -> float:
+def perfile_seconds(cluster: Cluster, files: float, file_bytes: float, readers: float, nodes: int) -> float:
     """Seconds for ``readers`` concurrent readers over ``nodes`` nodes to open and read ``files`` files of
     ``file_bytes`` each, each node its share; the slowest probed host's share bounds it."""
     if files <= 0:

@@ -127,8 +127,6 @@ def probe_job(
     """Probe every host of this torchrun or srun job (see the module docstring); the merged profile on
     host 0, None on every other rank. ``seconds``: each host's budget for the file system and tiers; the
     links take up to a quarter more."""
-    import socket
-
     # start-up: torch.distributed loads only when a probe runs across hosts
     from kaisoku.distributed.host_group import HostGroup
 
@@ -142,7 +140,6 @@ def probe_job(
             differ = ", ".join(f"{n} {'can' if w else 'cannot'}" for n, w in zip(hosts.names, writable))
             raise ConfigError(f"kaisoku probe: the hosts do not all see {root} alike ({differ} write there)")
         own = probe(root, seconds=seconds, local=local, progress=progress, sync=hosts.barrier)
-        own["probe"]["host"] = socket.gethostname()
         links = hosts.link_rates(seconds / 4, REPEATS) if hosts.hosts > 1 else [[[]]]
         profiles = hosts.all_hosts(own)
         return merge_profiles(profiles, links, hosts.names) if hosts.host == 0 else None
