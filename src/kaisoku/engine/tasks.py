@@ -64,11 +64,13 @@ class Classification:
         self.target_key = target_key
 
     def prepare(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
-        """Normalise with the dataset's mean and std; channels-last where the run asks for it."""
+        """Normalise with the dataset's mean and std; channels-last where the run asks for it, contiguous
+        otherwise (the loader's image batches are channels-last in memory; a model may ``view`` its input)."""
+        layout = torch.channels_last if self.channels_last else torch.contiguous_format
         if self.mean:
-            inputs = normalize(inputs, self.mean, self.std)
-        if self.channels_last and isinstance(inputs, torch.Tensor) and inputs.ndim == 4:
-            inputs = inputs.contiguous(memory_format=torch.channels_last)
+            inputs = normalize(inputs, self.mean, self.std, memory_format=layout)
+        if isinstance(inputs, torch.Tensor) and inputs.ndim == 4:
+            inputs = inputs.contiguous(memory_format=layout)
         return inputs, targets
 
     def _loss_sum(self, outputs: Any, targets: Any, count: int) -> torch.Tensor:

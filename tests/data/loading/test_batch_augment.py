@@ -3,22 +3,27 @@ the same batches for any thread count."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
 import pytest
 import simplejpeg
 import torch
+from PIL import Image
 
 from kaisoku.data.loading.batch_augment import (
     BATCH_PIXEL_TOLERANCE,
     decode_batch_into,
+    flip_in_place,
+    hwc_slots,
     keyed_crops,
 )
 from kaisoku.data.loading.dataset import ImageLabelTransform, ShardedDataset
 from kaisoku.data.loading.loader import ShardLoader
 from kaisoku.data.loading.transforms import (
     AugmentSpec,
+    _opencv,
     augment_into,
     augment_rng,
     decode_image,
@@ -71,21 +76,55 @@ def _jpegs(count: int, size: int) -> list[bytes]:
     return blobs
 
 
-@pytest.mark.parametrize("size", [24, 64])
-def test_batch_path_gives_the_per_sample_paths_pixels(size: int) -> None:
+def _mixed_blobs(size: int) -> list[bytes]:
+    """JPEGs around ``size`` (some exactly ``size`` square), a PNG and a grayscale JPEG of ``size``."""
     blobs = _jpegs(40, size)
-    spec = AugmentSpec(size=size)
+    gray = np.random.default_rng(2).integers(0, 256, (size, size, 1), dtype=np.uint8)
+    blobs[7] = simplejpeg.encode_jpeg(gray, colorspace="GRAY", quality=90)
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (size, size, 3), dtype=np.uint8)).save(
+        buffer, format="PNG"
+    )
+    blobs[12] = buffer.getvalue()
+    return blobs
+
+
+def _batch_buffer(count: int, size: int, layout: str) -> np.ndarray:
+    """An N x 3 x S x S uint8 buffer, filled with 7s: plain, or channels-last as ThreadedBatches lays out."""
+    if layout == "channels-last":
+        return np.full((count, size, size, 3), 7, dtype=np.uint8).transpose(0, 3, 1, 2)
+    return np.full((count, 3, size, size), 7, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels-last"])
+@pytest.mark.parametrize("whole", [False, True], ids=["crops", "whole-images"])
+@pytest.mark.parametrize("size", [24, 64])
+def test_batch_path_gives_the_per_sample_paths_pixels(size: int, whole: bool, layout: str) -> None:
+    blobs = _mixed_blobs(size)
+    # Whole images: the squares at the output size decode straight into a channels-last slot.
+    spec = AugmentSpec(size=size, scale=(1.0, 1.0), ratio=(1.0, 1.0)) if whole else AugmentSpec(size=size)
     indices = np.arange(100, 140)
-    got = np.full((40, 3, size, size), 7, dtype=np.uint8)
+    got = _batch_buffer(40, size, layout)
+    assert (hwc_slots(got) is not None) == (layout == "channels-last")
     decode_batch_into(blobs, spec, seed=3, epoch=2, indices=indices, out=got)
-    expected = np.empty_like(got)
+    expected = np.empty((40, 3, size, size), dtype=np.uint8)
     for k, data in enumerate(blobs):  # the reference: decode, then the per-sample crop, resize and flip
         augment_into(decode_image(data), spec, seed=3, epoch=2, index=int(indices[k]), out=expected[k])
     # One resizer serves both paths: the same pixels, bit for bit (a sample's pixels depend on its key
-    # alone, not on which path, batch position or resume made it).
+    # alone, not on which path, batch position, memory layout or resume made it).
     assert np.array_equal(got, expected), resizer()
     flipped = np.flip(expected, axis=3)  # and the comparison sees a missed flip
     assert np.abs(got.astype(np.int16) - flipped.astype(np.int16)).mean() > 3
+
+
+@pytest.mark.parametrize("width", [1, 2, 7, 64])
+def test_flip_in_place_mirrors_every_row(width: int) -> None:
+    image = np.random.default_rng(width).integers(0, 256, (5, width, 3), dtype=np.uint8)
+    expected = image[:, ::-1].copy()
+    for cv2 in (None, _opencv()):  # OpenCV's flip where it lies, and the copy without OpenCV
+        mirrored = image.copy()
+        flip_in_place(mirrored, cv2)
+        assert np.array_equal(mirrored, expected)
 
 
 def _loader(packed: Path, *, path: str, workers: int) -> ShardLoader:

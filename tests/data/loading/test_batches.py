@@ -54,6 +54,8 @@ def test_threads_give_the_dataloaders_batches(packed: Path, threads: int) -> Non
     for (a, la), (b, lb) in zip(reference, got, strict=True):
         assert a.dtype == b.dtype == torch.uint8 and a.shape == b.shape
         assert torch.equal(a, b) and torch.equal(la, lb)
+        # RGB batches in channels-last memory: each sample one HWC block the decoder writes where it lies.
+        assert b.is_contiguous(memory_format=torch.channels_last) and not b.is_contiguous()
 
 
 def test_augment_into_equals_augment() -> None:

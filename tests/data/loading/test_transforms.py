@@ -238,6 +238,30 @@ def test_normalize_matches_formula() -> None:
         normalize(batch, mean=(0.5,), std=(0.5,))
 
 
+def test_a_channels_last_batch_normalises_into_the_layout_asked_for() -> None:
+    from kaisoku.engine.tasks import Classification
+
+    batch = torch.randint(0, 256, (2, 3, 5, 4), dtype=torch.uint8).contiguous(
+        memory_format=torch.channels_last
+    )
+    expected = normalize(batch.contiguous())
+    plain = normalize(batch)
+    assert plain.is_contiguous() and torch.equal(plain, expected)
+    last = normalize(batch, memory_format=torch.channels_last)
+    assert last.is_contiguous(memory_format=torch.channels_last) and not last.is_contiguous()
+    assert torch.equal(last, expected)
+    # The trainer's step: contiguous for a model that may ``view`` its input, channels-last where the run is.
+    for channels_last in (False, True):
+        task = Classification(IMAGENET_MEAN, IMAGENET_STD, channels_last)
+        inputs, _ = task.prepare(batch, None)
+        assert inputs.is_contiguous(
+            memory_format=torch.channels_last if channels_last else torch.contiguous_format
+        )
+        assert torch.equal(inputs, expected)
+        unnormalised, _ = Classification((), (), channels_last).prepare(batch, None)
+        assert unnormalised.is_contiguous() == (not channels_last) and torch.equal(unnormalised, batch)
+
+
 def test_whole_pixel_crops_resample_like_pil_inside_the_crop_and_take_read_only_images() -> None:
     import warnings
 

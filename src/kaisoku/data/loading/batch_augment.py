@@ -8,8 +8,12 @@ bit for bit, as :func:`~kaisoku.data.loading.transforms.random_crop_box`); each 
 libjpeg-turbo into one reused scratch buffer; each crop is resized by the per-sample path's own resizer
 (:func:`~kaisoku.data.loading.transforms._resize_box`: OpenCV's bilinear resize for a crop enlarged to the
 output where ``opencv-python-headless`` is installed, 2-3x cheaper than torch's kernel on small crops, torch's
-antialiased kernel otherwise), so both paths give the same pixels; flip and HWC -> CHW end in one strided copy into the batch
-buffer. Every C call releases the GIL, so a batch split between threads decodes in parallel.
+antialiased kernel otherwise), so both paths give the same pixels. Into a channels-last batch (the
+loader's buffers) each sample is written where it lies: an image already the output's size decoded
+straight into its slot, a crop resized into it, a flip done in place (at 64 px this takes 10-20 us off a
+sample against decoding into scratch and a strided flip-and-transpose copy); into a plain NCHW array, flip
+and HWC -> CHW end in one strided copy. Every C call releases the GIL, so a batch split between threads
+decodes in parallel.
 
 Measured against other batch designs on 64 px JPEGs (single thread, CPU time): one batched
 ``torchvision.ops.roi_align`` over a float canvas, ``grid_sample`` and a separable gather in float32 all
@@ -32,6 +36,7 @@ from kaisoku.data.loading.transforms import (
     _JPEG_MAGIC,
     AugmentSpec,
     _epoch_key,
+    _opencv,
     _resize_box,
     centre_crop_box,
     decode_image,
@@ -127,6 +132,24 @@ def _resize(image: np.ndarray, box: tuple[int, int, int, int], size: int) -> np.
     return _resize_box(image, box, size)
 
 
+def hwc_slots(out: np.ndarray) -> np.ndarray | None:
+    """``out`` (N x 3 x S x S) as N x S x S x 3 where each sample's pixels are one C-contiguous HWC block
+    (a batch buffer in channels-last memory), else None."""
+    slots = out.transpose(0, 2, 3, 1)
+    if len(slots) and slots[0].flags.c_contiguous and slots.strides[0] >= slots[0].nbytes:
+        return slots
+    return None
+
+
+def flip_in_place(image: np.ndarray, cv2: Any = None) -> None:
+    """Mirror an HWC uint8 image left to right where it lies: with ``cv2`` (OpenCV's module, looked up once
+    per batch by the caller) its flip, which swaps each row's ends; else through a copy."""
+    if cv2 is not None:
+        cv2.flip(image, 1, dst=image)
+    else:
+        image[:] = image[:, ::-1].copy()
+
+
 def decode_batch_into(
     blobs: Sequence[Any],
     spec: AugmentSpec,
@@ -141,9 +164,12 @@ def decode_batch_into(
     (uint8, N x 3 x S x S): the batch counterpart of ``augment_into(decode_image(blob), spec, ...)`` for
     the keys ``(seed, epoch, indices[n])``.
 
-    Images that are not baseline RGB/grey JPEGs go
-    through :func:`~kaisoku.data.loading.transforms.decode_image`, which raises naming ``names[n]`` for
-    bytes that cannot be decoded.
+    Where ``out`` is in channels-last memory (:func:`hwc_slots`: the batch buffers of
+    :class:`~kaisoku.data.loading.batches.ThreadedBatches`), each sample is written where it lies: a JPEG
+    that is already the output (the whole image at the output size) is decoded straight into its slot,
+    a crop is resized into it, and a flip mirrors the slot in place; no HWC -> CHW copy. Images that are
+    not baseline RGB/grey JPEGs go through :func:`~kaisoku.data.loading.transforms.decode_image`, which
+    raises naming ``names[n]`` for bytes that cannot be decoded.
     """
     count = len(blobs)
     if out.shape != (count, 3, spec.size, spec.size):
@@ -164,15 +190,32 @@ def decode_batch_into(
     boxes, flips = keyed_crops(
         sizes[:, 0], sizes[:, 1], spec, seed=seed, epoch=epoch, indices=np.asarray(indices)
     )
+    slots = hwc_slots(out)
+    cv2 = _opencv()
+    # A sample already the output's size and uncropped needs no scratch buffer, where it has a slot.
+    whole = (boxes[:, 0] == 0) & (boxes[:, 1] == 0) & (sizes[:, 0] == spec.size) & (sizes[:, 1] == spec.size)
+    whole &= (boxes[:, 2] == spec.size) & (boxes[:, 3] == spec.size)
     scratch = np.empty(int(sizes.prod(axis=1).max()) * 3, dtype=np.uint8)  # one decode buffer, reused
-    for n, (box, flip) in enumerate(zip(boxes.tolist(), flips.tolist(), strict=True)):
+    for n, (box, flip, in_place) in enumerate(
+        zip(boxes.tolist(), flips.tolist(), whole.tolist(), strict=True)
+    ):
         image = decoded.get(n)
+        target = scratch if slots is None or not in_place else slots[n]
+        in_slot = False
         if image is None:
             try:
-                image = simplejpeg.decode_jpeg(blobs[n], colorspace="RGB", buffer=scratch, strict=True)
+                image = simplejpeg.decode_jpeg(blobs[n], colorspace="RGB", buffer=target, strict=True)
+                in_slot = target is not scratch
             except ValueError:  # unsupported colour space or damage: decode_image tells which, or decodes
                 image = decode_image(blobs[n], name=names[n] if names else "")
-        resized = _resize(image, tuple(box), spec.size)
+        if slots is None:
+            resized = _resize(image, tuple(box), spec.size)
+            if flip:
+                resized = resized[:, ::-1]
+            np.copyto(out[n], resized.transpose(2, 0, 1))
+            continue
+        slot = slots[n]
+        if not in_slot:
+            _resize_box(image, tuple(box), spec.size, out=slot)
         if flip:
-            resized = resized[:, ::-1]
-        np.copyto(out[n], resized.transpose(2, 0, 1))
+            flip_in_place(slot, cv2)

@@ -2,8 +2,9 @@
 
 JPEG decoding (libjpeg-turbo through simplejpeg), resampling (Pillow) and the flip-and-transpose copy
 all release the GIL, so a few threads in the training process decode in parallel, and each writes its
-samples into a preallocated batch (uint8 NCHW for images; the sample's own dtype and shape otherwise, e.g.
-float32 volumes with float targets for regression): no worker processes to start each epoch, no batch pickled
+samples into a preallocated batch (uint8 NCHW for images, in channels-last memory for RGB, as FFCV's
+batches are; the sample's own dtype and shape otherwise, e.g. float32 volumes with float targets for
+regression): no worker processes to start each epoch, no batch pickled
 or passed through shared memory, no fresh batch tensor per step. Buffers come from a ring and are reused
 ``ring`` batches later, so a batch stays valid while the trainer holds it (it holds at most a step's
 micro-batches); with ``pin_memory`` (CUDA) the ring is pinned once.
@@ -58,6 +59,28 @@ class BatchFillableDataset(FillableDataset, Protocol):
         ...
 
 
+def first_kept(dataset: FillableDataset, keys: Sequence[Key]) -> dict[int, tuple[np.ndarray, Any] | None]:
+    """Samples of ``keys`` read the ordinary way up to the first one not skipped as damaged (its shape sizes
+    a batch's buffer), by position in ``keys``."""
+    first: dict[int, tuple[np.ndarray, Any] | None] = {}
+    for j, key in enumerate(keys):
+        first[j] = dataset[key]
+        if first[j] is not None:
+            return first
+    raise KaisokuError(
+        f"cannot make a batch of {len(keys)} samples: none left after skipping damaged records"
+    )
+
+
+def channels_last_images(count: int, shape: Sequence[int], *, pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialised uint8 ``count`` x C x H x W batch in channels-last memory (each sample one HWC
+    block, where a decoder writes it whole)."""
+    channels, height, width = shape
+    return torch.empty((count, height, width, channels), dtype=torch.uint8, pin_memory=pin_memory).permute(
+        0, 3, 1, 2
+    )
+
+
 class ThreadedBatches:
     """Iterate ``(images, labels)`` batches for ``batches`` of keys, decoded by ``threads`` threads.
 
@@ -101,25 +124,21 @@ class ThreadedBatches:
 
     def _allocate(self, batch: int, shape: tuple[int, ...]) -> None:
         self._buffers, self._kept = [], []
+        # RGB images live in channels-last memory (each sample one HWC block, the batch an NCHW view): a
+        # decoder writes a sample where it lies, with no HWC -> CHW copy; the trainer's first cast
+        # (``normalize``) lays the batch out as the model wants it.
+        image_batch = self._dtype == torch.uint8 and len(shape) == 3 and shape[0] == 3
         for _ in range(self.ring):
-            images = torch.empty((batch, *shape), dtype=self._dtype, pin_memory=self.pin_memory)
+            if image_batch:
+                images = channels_last_images(batch, shape, pin_memory=self.pin_memory)
+            else:
+                images = torch.empty((batch, *shape), dtype=self._dtype, pin_memory=self.pin_memory)
             if self._targets is None:
                 labels = np.empty(batch, dtype=np.int64)
             else:
                 labels = np.empty((batch, *self._targets.shape), dtype=self._targets.dtype)
             self._buffers.append((images, labels))
             self._kept.append(np.ones(batch, dtype=bool))
-
-    def _first_samples(self, keys: Sequence[Key]) -> dict[int, tuple[np.ndarray, int] | None]:
-        """Samples read the ordinary way up to the first one not skipped: its shape sizes the buffers."""
-        first: dict[int, tuple[np.ndarray, int] | None] = {}
-        for j, key in enumerate(keys):
-            first[j] = self.dataset[key]
-            if first[j] is not None:
-                return first
-        raise KaisokuError(
-            f"cannot make a batch of {len(keys)} samples: none left after skipping damaged records"
-        )
 
     def _fill(
         self,
@@ -154,7 +173,7 @@ class ThreadedBatches:
         first: dict[int, tuple[np.ndarray, int] | None] = {}
         if self._shape is None:
             with self.read_context(keys):
-                first = self._first_samples(keys)
+                first = first_kept(self.dataset, keys)
             sample0 = next(s for s in first.values() if s is not None)
             self._shape = tuple(np.asarray(sample0[0]).shape)
             self._dtype = torch.from_numpy(np.asarray(sample0[0])[:0]).dtype

@@ -245,8 +245,11 @@ def resizer() -> str:
     return "opencv" if _opencv() is not None else "torch"
 
 
-def _resize_box(image: np.ndarray, box: tuple[float, float, float, float], size: int) -> np.ndarray:
-    """``box`` of an HWC (or HW) uint8 image resampled to ``size`` x ``size`` (bilinear, antialiased), HWC.
+def _resize_box(
+    image: np.ndarray, box: tuple[float, float, float, float], size: int, out: np.ndarray | None = None
+) -> np.ndarray:
+    """``box`` of an HWC (or HW) uint8 image resampled to ``size`` x ``size`` (bilinear, antialiased), HWC;
+    written into ``out`` (a C-contiguous HWC array, e.g. a channels-last batch slot) and returned when given.
 
     The one resizer of the per-sample and the batch paths, so that a sample's pixels depend on its key
     alone, whichever path (or position in a batch, or resume) made it. A box on whole pixels (every
@@ -259,14 +262,17 @@ def _resize_box(image: np.ndarray, box: tuple[float, float, float, float], size:
     """
     height, width = image.shape[:2]
     if box == (0, 0, width, height) and height == size and width == size:
-        return image  # already the output: skip a resampling pass
+        return _written(image, out)  # already the output: skip a resampling pass
     if all(float(edge).is_integer() for edge in box):
         left, top, right, bottom = (int(edge) for edge in box)
         if right - left == size and bottom - top == size:
-            return image[top:bottom, left:right]  # already the output size: no resampling
+            return _written(image[top:bottom, left:right], out)  # already the output size: no resampling
         cv2 = _opencv()
         if cv2 is not None and right - left <= size and bottom - top <= size:
-            return cv2.resize(image[top:bottom, left:right], (size, size), interpolation=cv2.INTER_LINEAR)
+            region = image[top:bottom, left:right]
+            if out is not None:  # resampled straight into ``out``
+                return cv2.resize(region, (size, size), dst=out, interpolation=cv2.INTER_LINEAR)
+            return cv2.resize(region, (size, size), interpolation=cv2.INTER_LINEAR)
         region = image[top:bottom, left:right]
         if not region.flags.writeable:  # a record's bytes viewed in place: torch wants writable memory
             region = region.copy()
@@ -275,9 +281,17 @@ def _resize_box(image: np.ndarray, box: tuple[float, float, float, float], size:
         resized = torch.nn.functional.interpolate(
             planes, size=(size, size), mode="bilinear", antialias=True, align_corners=False
         )[0]
-        return (resized.permute(1, 2, 0) if crop.ndim == 3 else resized[0]).numpy()
+        return _written((resized.permute(1, 2, 0) if crop.ndim == 3 else resized[0]).numpy(), out)
     resized = Image.fromarray(image).resize((size, size), Image.Resampling.BILINEAR, box=box)
-    return np.asarray(resized)
+    return _written(np.asarray(resized), out)
+
+
+def _written(image: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """``image`` copied into ``out`` when given (and ``out`` returned), else ``image`` itself."""
+    if out is None:
+        return image
+    np.copyto(out, image)
+    return out
 
 
 def augment(image: np.ndarray, spec: AugmentSpec, *, seed: int, epoch: int, index: int) -> np.ndarray:
@@ -349,10 +363,13 @@ def normalize(
     mean: Sequence[float] = IMAGENET_MEAN,
     std: Sequence[float] = IMAGENET_STD,
     dtype: torch.dtype = torch.float32,
+    memory_format: torch.memory_format = torch.contiguous_format,
 ) -> torch.Tensor:
-    """Convert a uint8 NCHW batch (on any device) to ``dtype`` and normalise per channel.
+    """Convert a uint8 NCHW batch (on any device, in any memory layout) to ``dtype`` and normalise per channel.
 
-    ``mean`` and ``std`` are on the 0..1 scale; the result is ``(batch / 255 - mean) / std``.
+    ``mean`` and ``std`` are on the 0..1 scale; the result is ``(batch / 255 - mean) / std``, laid out in
+    ``memory_format`` (the cast that converts the values also lays out the memory: a channels-last batch
+    from the loader costs no pass of its own to become contiguous).
     """
     if batch.ndim != 4:
         raise KaisokuError(f"normalize expects an NCHW batch, got shape {tuple(batch.shape)}")
@@ -365,6 +382,6 @@ def normalize(
     # Fold the 1/255 into the constants: one subtract and one multiply over the batch.
     scale = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=dtype, device=batch.device)
     shift = torch.tensor([255.0 * m for m in mean], dtype=dtype, device=batch.device)
-    out = batch.to(dtype)
+    out = batch.to(dtype, memory_format=memory_format)
     out.sub_(shift.view(1, -1, 1, 1)).mul_(scale.view(1, -1, 1, 1))
     return out
