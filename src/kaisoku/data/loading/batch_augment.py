@@ -126,12 +126,6 @@ def keyed_crops(
     return boxes, flips
 
 
-def _resize(image: np.ndarray, box: tuple[int, int, int, int], size: int) -> np.ndarray:
-    """Whole-pixel ``box`` of HWC uint8 ``image`` resized to ``size`` x ``size``, HWC uint8: the per-sample
-    path's own resizer, so both paths give the same pixels."""
-    return _resize_box(image, box, size)
-
-
 def hwc_slots(out: np.ndarray) -> np.ndarray | None:
     """``out`` (N x 3 x S x S) as N x S x S x 3 where each sample's pixels are one C-contiguous HWC block
     (a batch buffer in channels-last memory), else None."""
@@ -209,7 +203,7 @@ def decode_batch_into(
             except ValueError:  # unsupported colour space or damage: decode_image tells which, or decodes
                 image = decode_image(blobs[n], name=names[n] if names else "")
         if slots is None:
-            resized = _resize(image, tuple(box), spec.size)
+            resized = _resize_box(image, tuple(box), spec.size)
             if flip:
                 resized = resized[:, ::-1]
             np.copyto(out[n], resized.transpose(2, 0, 1))

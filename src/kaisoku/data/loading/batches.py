@@ -59,28 +59,6 @@ class BatchFillableDataset(FillableDataset, Protocol):
         ...
 
 
-def first_kept(dataset: FillableDataset, keys: Sequence[Key]) -> dict[int, tuple[np.ndarray, Any] | None]:
-    """Samples of ``keys`` read the ordinary way up to the first one not skipped as damaged (its shape sizes
-    a batch's buffer), by position in ``keys``."""
-    first: dict[int, tuple[np.ndarray, Any] | None] = {}
-    for j, key in enumerate(keys):
-        first[j] = dataset[key]
-        if first[j] is not None:
-            return first
-    raise KaisokuError(
-        f"cannot make a batch of {len(keys)} samples: none left after skipping damaged records"
-    )
-
-
-def channels_last_images(count: int, shape: Sequence[int], *, pin_memory: bool = False) -> torch.Tensor:
-    """An uninitialised uint8 ``count`` x C x H x W batch in channels-last memory (each sample one HWC
-    block, where a decoder writes it whole)."""
-    channels, height, width = shape
-    return torch.empty((count, height, width, channels), dtype=torch.uint8, pin_memory=pin_memory).permute(
-        0, 3, 1, 2
-    )
-
-
 class ThreadedBatches:
     """Iterate ``(images, labels)`` batches for ``batches`` of keys, decoded by ``threads`` threads.
 
@@ -130,7 +108,10 @@ class ThreadedBatches:
         image_batch = self._dtype == torch.uint8 and len(shape) == 3 and shape[0] == 3
         for _ in range(self.ring):
             if image_batch:
-                images = channels_last_images(batch, shape, pin_memory=self.pin_memory)
+                channels, height, width = shape
+                images = torch.empty(
+                    (batch, height, width, channels), dtype=self._dtype, pin_memory=self.pin_memory
+                ).permute(0, 3, 1, 2)
             else:
                 images = torch.empty((batch, *shape), dtype=self._dtype, pin_memory=self.pin_memory)
             if self._targets is None:
@@ -139,6 +120,17 @@ class ThreadedBatches:
                 labels = np.empty((batch, *self._targets.shape), dtype=self._targets.dtype)
             self._buffers.append((images, labels))
             self._kept.append(np.ones(batch, dtype=bool))
+
+    def _first_samples(self, keys: Sequence[Key]) -> dict[int, tuple[np.ndarray, int] | None]:
+        """Samples read the ordinary way up to the first one not skipped: its shape sizes the buffers."""
+        first: dict[int, tuple[np.ndarray, int] | None] = {}
+        for j, key in enumerate(keys):
+            first[j] = self.dataset[key]
+            if first[j] is not None:
+                return first
+        raise KaisokuError(
+            f"cannot make a batch of {len(keys)} samples: none left after skipping damaged records"
+        )
 
     def _fill(
         self,
@@ -173,7 +165,7 @@ class ThreadedBatches:
         first: dict[int, tuple[np.ndarray, int] | None] = {}
         if self._shape is None:
             with self.read_context(keys):
-                first = first_kept(self.dataset, keys)
+                first = self._first_samples(keys)
             sample0 = next(s for s in first.values() if s is not None)
             self._shape = tuple(np.asarray(sample0[0]).shape)
             self._dtype = torch.from_numpy(np.asarray(sample0[0])[:0]).dtype

@@ -268,13 +268,22 @@ class ShardedDataset(torch.utils.data.Dataset):
         return labels
 
     def _record_bytes(
-        self, shard_id: int, record: int, data: bytes | memoryview | None
+        self,
+        shard_id: int,
+        record: int,
+        data: bytes | memoryview | None,
+        tally: dict[int, list[int]] | None = None,
     ) -> bytes | memoryview:
-        """Record ``record`` of shard ``shard_id``: read here (and counted), or ``data`` obtained elsewhere
+        """Record ``record`` of shard ``shard_id``: read here (and counted, or added to ``tally``'s
+        ``[bytes, records]`` of its shard for the caller to count at once), or ``data`` obtained elsewhere
         (received from another node), checked against the index when ``verify`` is on."""
         if data is None:
             data = self._record_view(shard_id, record)
-            if self.source.counters is not None:
+            if tally is not None:
+                counts = tally.setdefault(shard_id, [0, 0])
+                counts[0] += len(data)
+                counts[1] += 1
+            elif self.source.counters is not None:
                 self._count_read(shard_id, len(data))
         elif self.verify:
             check_record(self.index, data, shard_id, record)
@@ -292,15 +301,8 @@ class ShardedDataset(torch.utils.data.Dataset):
         shard_ids, records = self.locate([key[1] for key in keys])
         read: dict[int, list[int]] = {}  # shard -> [bytes, records] read from it here
         for k, (shard_id, record) in enumerate(zip(shard_ids.tolist(), records.tolist(), strict=True)):
-            data = datas[k] if datas else None
             try:
-                if data is None:
-                    data = self._record_view(shard_id, record)
-                    tally = read.setdefault(shard_id, [0, 0])
-                    tally[0] += len(data)
-                    tally[1] += 1
-                elif self.verify:
-                    check_record(self.index, data, shard_id, record)
+                data = self._record_bytes(shard_id, record, datas[k] if datas else None, read)
                 samples.append(self._parse(data, shard_id, record))
             except CorruptRecordError as error:
                 self._skip(error)
