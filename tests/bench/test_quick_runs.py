@@ -31,6 +31,7 @@ GOALS: dict[str, set[str]] = {
         "index_private_bytes_per_record",
         "kaisoku_batch_vs_per_sample_64px-rrc",
         "gpu_decode_vs_host_64px-rrc",
+        "loader_memory_per_worker_vs_per_sample_imagenet-like",
     },
     "slowfs": {
         "kaisoku_global_io_vs_tuned_perfile_1G_2msRTT_64px",

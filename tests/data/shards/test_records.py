@@ -44,6 +44,17 @@ def test_record_round_trip(codec: str) -> None:
     assert decoded["text"] == sample["text"] and decoded["blob"] == sample["blob"]
     np.testing.assert_array_equal(decoded["x"], sample["x"])
     assert decoded["x"].flags.writeable
+    assert isinstance(decoded["image"], bytes)  # a copy: the caller may keep it past the shard's buffer
+    # views: the stored image (never compressed) comes back uncopied, a view of the record's own buffer
+    buffer = bytearray(data)
+    viewed = encoder.decode(memoryview(buffer), views=True)
+    assert isinstance(viewed["image"], memoryview) and viewed["image"].obj is buffer
+    assert bytes(viewed["image"]) == sample["image"] and viewed["label"] == -7
+    assert viewed["text"] == sample["text"] and bytes(viewed["blob"]) == sample["blob"]
+    if codec != "raw":  # a compressed field is new bytes either way
+        assert isinstance(viewed["blob"], bytes)
+    np.testing.assert_array_equal(viewed["x"], sample["x"])
+    assert viewed["x"].flags.writeable  # arrays stay writable copies
     with pytest.raises(KaisokuError, match="label"):
         encoder.encode({**sample, "label": "seven"})
     with pytest.raises(KaisokuError, match="no field 'x'"):

@@ -87,8 +87,12 @@ class RecordCodec:
             8 if f.kind == "int" else int(payload_sizes[f.name]) for f in self.fields
         )
 
-    def decode(self, data: bytes | memoryview) -> dict[str, Any]:
-        """The sample dict of one stored record; images stay encoded bytes, arrays are writable copies."""
+    def decode(self, data: bytes | memoryview, *, views: bool = False) -> dict[str, Any]:
+        """The sample dict of one stored record; images stay encoded bytes, arrays are writable copies.
+
+        ``views``: image and bytes fields stored as they are come back as read-only memoryviews of ``data``
+        (no copy): for a caller that is done with them before it drops ``data``'s buffer. A view keeps
+        that buffer (an mmap) alive, so a shard dropped by a cache meanwhile stays readable."""
         view = memoryview(data)
         lengths = iter(self._header.unpack_from(view, 0))
         position = self._header.size
@@ -106,7 +110,7 @@ class RecordCodec:
             position += size
             raw = codec.decode(payload) if f.compressed and self.codec_name != "raw" else payload
             if f.kind == "image" or f.kind == "bytes":
-                sample[f.name] = bytes(raw)
+                sample[f.name] = raw if views and isinstance(raw, memoryview) else bytes(raw)
             elif f.kind == "str":
                 sample[f.name] = bytes(raw).decode("utf-8")
             else:
