@@ -210,6 +210,24 @@ def cpu_model() -> str:
     return model
 
 
+def process_table() -> dict[int, tuple[int, float]]:
+    """Every running process's parent pid and CPU seconds (user + system), by pid, from ``/proc/PID/stat``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    table: dict[int, tuple[int, float]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as handle:
+                stat = handle.read()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()  # the name (field 2) may hold spaces: count after it
+        # ppid, utime and stime are fields 4, 14 and 15 of stat(5)
+        table[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    return table
+
+
 def load_average() -> list[float]:
     """The 1-, 5- and 15-minute load averages."""
     return [round(x, 2) for x in os.getloadavg()]

@@ -140,6 +140,14 @@ def flip_transform(size: int) -> ImageLabelTransform:
     return ImageLabelTransform(spec=AugmentSpec(size=size, scale=(1.0, 1.0), ratio=(1.0, 1.0)), seed=SEED)
 
 
+def work_transform(size: int, crop: bool) -> ImageLabelTransform:
+    """kaisoku's transform for a row set's work: random-resized-crop to ``size`` + flip (the one ``kaisoku
+    train`` builds) when ``crop``, else :func:`flip_transform`."""
+    if crop:
+        return ImageLabelTransform(spec=AugmentSpec(size=size, train=True), seed=SEED)
+    return flip_transform(size)
+
+
 def production_loader(
     pack_dir: Path,
     transform: ImageLabelTransform,

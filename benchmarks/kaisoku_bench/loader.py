@@ -28,7 +28,6 @@ from kaisoku.data.loading.dataset import ImageLabelTransform, ShardedDataset
 from kaisoku.data.loading.gpu_decode import decode_on_device, encode_batch
 from kaisoku.data.loading.loader import ShardLoader
 from kaisoku.data.loading.transforms import (
-    AugmentSpec,
     augment,
     augment_into,
     decode_image,
@@ -38,7 +37,7 @@ from kaisoku.distributed.env import World
 from kaisoku.engine.data_build import shard_loader
 from kaisoku.run_facts import plan_run
 from kaisoku_bench import loader_peers
-from kaisoku_bench.common import goal, interleaved, median_iqr, record_and_show
+from kaisoku_bench.common import goal, interleaved, median_iqr, process_table, record_and_show
 from kaisoku_bench.goals import paired_ratios
 from kaisoku_bench.imagesets import (
     BATCH,
@@ -47,12 +46,12 @@ from kaisoku_bench.imagesets import (
     ImageSet,
     data_root,
     epoch_of,
-    flip_transform,
     image_set,
     log,
     own_format_pack,
     photo_set,
     production_loader,
+    work_transform,
 )
 from kaisoku_bench.loader_index import index_part
 from kaisoku_bench.loader_memory import memory_part
@@ -84,20 +83,9 @@ class _RowRecord:
 
 def _live_children_cpu() -> float:
     """CPU seconds (user + system) of this process's running children (persistent DataLoader workers, which
-    ``RUSAGE_CHILDREN`` counts only once they are waited for), from ``/proc/PID/stat``."""
-    me, total = os.getpid(), 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as handle:
-                stat = handle.read()
-        except OSError:  # gone meanwhile
-            continue
-        fields = stat.rsplit(")", 1)[-1].split()  # the name (field 2) may hold spaces: count after it
-        if int(fields[1]) == me:  # ppid; utime and stime are fields 14 and 15 of stat(5)
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+    ``RUSAGE_CHILDREN`` counts only once they are waited for)."""
+    me = os.getpid()
+    return sum(cpu for parent, cpu in process_table().values() if parent == me)
 
 
 def cpu_seconds() -> float:
@@ -148,9 +136,19 @@ class RowSet:
     @property
     def transform(self) -> ImageLabelTransform:
         """kaisoku's transform for the set's work (the one ``kaisoku train`` builds for a crop)."""
-        if self.crop:
-            return ImageLabelTransform(spec=AugmentSpec(size=self.images.size, train=True), seed=SEED)
-        return flip_transform(self.images.size)
+        return work_transform(self.images.size, self.crop)
+
+
+def _kaisoku_decoder(row: str) -> str:
+    """What kaisoku's row ``row`` decodes with, as the table says."""
+    decoder = "simplejpeg"
+    if row != "kaisoku-per-sample":
+        decoder += f" + {resizer()} resizer (batch path)"
+    if row == "kaisoku-own-format":
+        decoder += " on its own format (re-encoded q90 4:2:0, as FFCV's)"
+    if row == "kaisoku-first-epoch":
+        decoder += ", a fresh loader"
+    return decoder
 
 
 def _steady(values: Sequence[float]) -> float:
@@ -400,7 +398,7 @@ def _part_a_set(
             {"part": "a", "size": row_set.name, "row": "kaisoku-gpu-decode", "skipped": "no CUDA device"}
         )
     records["kaisoku-first-epoch"] = _RowRecord(
-        "kaisoku-first-epoch", f"simplejpeg + {resizer()} resizer (batch path), a fresh loader", []
+        "kaisoku-first-epoch", _kaisoku_decoder("kaisoku-first-epoch"), []
     )
 
     def first_epoch() -> float:
@@ -416,12 +414,7 @@ def _part_a_set(
     for name, loader in kaisoku_rows.items():
         if name == "kaisoku-gpu-decode":
             continue
-        decoder = "simplejpeg"
-        if name != "kaisoku-per-sample":
-            decoder += f" + {resizer()} resizer (batch path)"
-        if name == "kaisoku-own-format":
-            decoder += " on its own format (re-encoded q90 4:2:0, as FFCV's)"
-        records[name] = _RowRecord(name, decoder, [])
+        records[name] = _RowRecord(name, _kaisoku_decoder(name), [])
         runs[name] = lambda n=name, ld=loader: _time_epoch(epoch_of(ld, next(epochs)), records[n], size)
     peers: list[loader_peers.PeerLoader] = []
     for name, build in _peer_builders(row_set, peer_dir).items():

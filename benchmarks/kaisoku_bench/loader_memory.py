@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kaisoku_bench.common import goal, python_path
+from kaisoku_bench.common import goal, process_table, python_path
 from kaisoku_bench.imagesets import log
 
 PATHS = ("batch", "threads", "processes")
@@ -40,17 +40,8 @@ SAMPLE_S = 0.005
 
 
 def _tree_pids(root: int) -> list[int]:
-    """``root`` and its descendants, from ``/proc/*/stat``."""
-    parents: dict[int, int] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as handle:
-                fields = handle.read().rsplit(")", 1)[-1].split()
-        except OSError:  # gone meanwhile
-            continue
-        parents[int(entry.name)] = int(fields[1])
+    """``root`` and its descendants."""
+    parents = {pid: parent for pid, (parent, _) in process_table().items()}
     tree, grew = {root}, True
     while grew:
         grew = False
@@ -109,17 +100,10 @@ def _measure(pack_dir: Path, size: int, crop: bool, path: str) -> dict[str, Any]
 
     import torch
 
-    from kaisoku.data.loading.dataset import ImageLabelTransform
-    from kaisoku.data.loading.transforms import AugmentSpec
-    from kaisoku_bench.imagesets import SEED, WORKERS, epoch_of, flip_transform, production_loader
+    from kaisoku_bench.imagesets import WORKERS, epoch_of, production_loader, work_transform
 
     torch.set_num_threads(1)
-    transform = (
-        ImageLabelTransform(spec=AugmentSpec(size=size, train=True), seed=SEED)
-        if crop
-        else flip_transform(size)
-    )
-    loader = production_loader(pack_dir, transform, batch_path=path)
+    loader = production_loader(pack_dir, work_transform(size, crop), batch_path=path)
     gc.collect()
     start = tree_bytes(os.getpid())
     samples = 0

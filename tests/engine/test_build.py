@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,30 @@ def test_one_rank_builds_a_data_parallel_engine_without_ddp(tmp_path: Path, tiny
     assert trainer.settings.total_steps == 5
     assert trainer.optimizer is engine.optimizer
     trainer.metrics.close()
+
+
+def test_loader_workers_start_while_the_data_is_built_and_read_what_a_loader_without_workers_reads(
+    tmp_path: Path, tiny_data: Path
+) -> None:
+    """An image folder's training and validation loaders fork their worker processes inside build_trainer,
+    before any collective or autograd thread exists, draw nothing from the run's generator doing so, and
+    read the same batches as the in-process loaders."""
+    before = set(multiprocessing.active_children())
+    plain = build_trainer(_config(tiny_data, tmp_path / "plain"), World())
+    plain_rng = torch.get_rng_state()
+    workers = build_trainer(_config(tiny_data, tmp_path / "workers", data__workers=1), World())
+    started = set(multiprocessing.active_children()) - before
+    assert len(started) == 2, started  # one worker each for training and validation, none read yet
+    assert torch.equal(torch.get_rng_state(), plain_rng)
+    assert workers.val_loader is not None and plain.val_loader is not None
+    assert len(workers.val_loader) == len(plain.val_loader) == 1
+    for _ in range(2):  # the persistent workers serve every pass
+        for (a, a_targets), (b, b_targets) in zip(workers.val_loader, plain.val_loader, strict=True):
+            assert torch.equal(a, b) and torch.equal(a_targets, b_targets)
+    for (a, a_targets), (b, b_targets) in zip(workers.train_data, plain.train_data, strict=True):
+        assert torch.equal(a, b) and torch.equal(a_targets, b_targets)
+    for trainer in (plain, workers):
+        trainer.metrics.close()
 
 
 def test_the_schedule_spans_the_epochs_even_when_max_steps_stops_early(

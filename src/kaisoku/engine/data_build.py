@@ -132,12 +132,44 @@ class KeyedDataset(Dataset):
         return self.dataset[key[1]]
 
 
+class OpenAfterStart:
+    """A DataLoader ``batch_sampler`` that yields no batch until :meth:`open`, then the batches of ``batches``
+    (whose length and attributes it has throughout): iterating the loader once while it is closed starts the
+    persistent worker processes and reads nothing."""
+
+    def __init__(self, batches: Any) -> None:
+        self.batches = batches
+        self.opened = False
+
+    def open(self) -> None:
+        """Yield ``batches``' batches from the next iteration on."""
+        self.opened = True
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.batches) if self.opened else iter(())
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getattr__(self, name: str) -> Any:  # what validation asks of its sampler (num_samples, first_batch)
+        if name == "batches":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.batches, name)
+
+
 def _loader(
     dataset: Dataset, batch_sampler: Any, workers: int, device: torch.device, collate_fn: Any
 ) -> DataLoader:
-    return DataLoader(
+    """A DataLoader over ``batch_sampler`` whose persistent workers are started now, while the data is built.
+
+    A rank forks them before it runs collectives and autograd: under Python 3.11 a fork made while another
+    of the rank's threads (collectives and autograd run their own) creates a thread state leaves the child
+    stuck for good in its start, and the rank waiting for that worker (seen as a validation that never began).
+    """
+    batches = OpenAfterStart(batch_sampler)
+    loader = DataLoader(
         dataset,
-        batch_sampler=batch_sampler,
+        batch_sampler=batches,
         num_workers=workers,
         collate_fn=collate_fn,
         pin_memory=device.type == "cuda",
@@ -145,6 +177,11 @@ def _loader(
         worker_init_fn=die_with_rank if workers > 0 else None,
         prefetch_factor=4 if workers > 0 else None,
     )
+    if workers > 0:
+        with torch.random.fork_rng(devices=[]):  # the workers' base seed is no draw of the run's generator
+            iter(loader)  # kept by the loader (persistent workers): later iterations reuse its workers
+    batches.open()
+    return loader
 
 
 @dataclass
