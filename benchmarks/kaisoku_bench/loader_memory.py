@@ -33,8 +33,8 @@ from kaisoku_bench.imagesets import log
 PATHS = ("batch", "threads", "processes")
 """``data.loader`` paths measured: the default batch path, the per-sample path, DataLoader workers."""
 EPOCHS = 2
-"""Epochs per measurement: the second allocates its batch ring while the trainer holds the first's last
-batch, as training does."""
+"""Epochs per measurement: the second goes on round the first's batch ring while the trainer holds the
+first's last batch, as training does."""
 SAMPLE_S = 0.005
 """Seconds between samples of the process tree's memory."""
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kaisoku.data.loading.batches import ThreadedBatches
+from kaisoku.data.loading.batches import BatchRing, ThreadedBatches
 from kaisoku.data.loading.dataset import ImageLabelTransform, ShardedDataset
 from kaisoku.data.loading.loader import ShardLoader
 from kaisoku.data.loading.transforms import (
@@ -22,7 +22,7 @@ from kaisoku.data.shards.format import read_index
 from kaisoku.errors import KaisokuError
 
 
-def _loader(packed: Path, *, path: str, workers: int, skip: bool = False) -> ShardLoader:
+def _loader(packed: Path, *, path: str, workers: int, skip: bool = False, batch: int = 6) -> ShardLoader:
     dataset = ShardedDataset(
         packed,
         transform=ImageLabelTransform(spec=AugmentSpec(size=12, train=True, scale=(0.3, 1.0)), seed=5),
@@ -30,7 +30,7 @@ def _loader(packed: Path, *, path: str, workers: int, skip: bool = False) -> Sha
     )
     return ShardLoader(
         dataset,
-        global_batch=6,
+        global_batch=batch,
         rank=0,
         world_size=1,
         ranks_per_node=1,
@@ -85,7 +85,7 @@ def test_buffers_are_reused_and_damage_compacts_the_batch(packed: Path) -> None:
         packed, transform=ImageLabelTransform(spec=AugmentSpec(size=8), seed=0), skip_corrupt=True
     )
     keys = [[(0, i) for i in range(k, k + 3)] for k in range(0, 18, 3)]
-    batches = ThreadedBatches(dataset, keys, threads=2, prefetch=1, ring=3)
+    batches = ThreadedBatches(dataset, keys, threads=2, prefetch=1, ring=BatchRing(3))
     seen = []
     pointers = set()
     for images, labels in batches:
@@ -97,6 +97,57 @@ def test_buffers_are_reused_and_damage_compacts_the_batch(packed: Path) -> None:
     expected = collate([dataset[key] for key in keys[0]])
     assert torch.equal(seen[0][0], expected[0]) and torch.equal(seen[0][1], expected[1])
     assert dataset.skipped == 2  # once by the threads, once by the reference above
+
+
+@pytest.mark.parametrize("path", ["batch", "threads"])
+def test_a_loader_keeps_its_ring_across_epochs_and_the_batches_held_from_the_last(
+    packed: Path, path: str
+) -> None:
+    """Epoch 2 decodes into the buffers epoch 1 used, going on round the ring from where epoch 1 stopped: the
+    last batch of epoch 1, still held, keeps its pixels for as long as a batch is the caller's. Its batches
+    are the ones a fresh loader makes."""
+    loader = _loader(packed, path=path, workers=2, batch=3)
+    size = 2 * loader.sampler.micro_batches + 4  # the ring ShardLoader keeps: a step's micro-batches + 4
+    loader.set_epoch(1)
+    first = []
+    for images, labels in loader:
+        first.append(images.data_ptr())
+        held, held_copy, held_labels, held_labels_copy = images, images.clone(), labels, labels.clone()
+    loader.set_epoch(2)
+    second = []
+    for k, (images, labels) in enumerate(loader):
+        second.append((images.data_ptr(), images.clone(), labels.clone()))
+        if k < size - 2 - 1:  # a batch is the caller's until ring size - prefetch (2) - 1 batches later
+            assert torch.equal(held, held_copy) and torch.equal(held_labels, held_labels_copy)
+    slots = [(len(first) + k) % size for k in range(len(second))]
+    reused = [
+        (slot, pointer) for slot, (pointer, _, _) in zip(slots, second, strict=True) if slot < len(first)
+    ]
+    assert reused, "the two epochs do not go round the ring: nothing to compare"
+    assert all(pointer == first[slot] for slot, pointer in reused)
+    fresh = _epoch(_loader(packed, path=path, workers=2, batch=3), 2)
+    assert len(second) == len(fresh) > 1
+    for (_, a, la), (b, lb) in zip(second, fresh, strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+def test_an_iteration_finding_the_ring_in_use_decodes_into_its_own(packed: Path) -> None:
+    """Two iterations at once over one ring (an epoch's generator left open): the second gets buffers of
+    its own, so neither writes into the other's batches."""
+    dataset = ShardedDataset(packed, transform=ImageLabelTransform(spec=AugmentSpec(size=8), seed=0))
+    keys = [[(0, i) for i in range(k, k + 3)] for k in range(0, 18, 3)]
+    ring = BatchRing(3)
+    first = iter(ThreadedBatches(dataset, keys, threads=2, prefetch=1, ring=ring))
+    a, _ = next(first)
+    second = [
+        images.data_ptr() for images, _ in ThreadedBatches(dataset, keys, threads=2, prefetch=1, ring=ring)
+    ]
+    assert a.data_ptr() not in second
+    first.close()
+    third = [
+        images.data_ptr() for images, _ in ThreadedBatches(dataset, keys, threads=2, prefetch=1, ring=ring)
+    ]
+    assert a.data_ptr() in third  # closed: the ring is free again
 
 
 def test_decoding_errors_reach_the_caller(packed: Path) -> None:
@@ -133,6 +184,6 @@ def test_received_records_go_through_both_paths(packed: Path, ram_dir: Path, pat
 def test_pinned_ring_on_cuda(packed: Path) -> None:
     dataset = ShardedDataset(packed, transform=ImageLabelTransform(spec=AugmentSpec(size=8), seed=0))
     keys = [[(0, i) for i in range(k, k + 3)] for k in range(0, 9, 3)]
-    for images, _labels in ThreadedBatches(dataset, keys, threads=2, pin_memory=True):
+    for images, _labels in ThreadedBatches(dataset, keys, threads=2, ring=BatchRing(4, pin_memory=True)):
         assert images.is_pinned()
         assert torch.equal(images.to("cuda", non_blocking=True).cpu(), images)

@@ -5,9 +5,10 @@ all release the GIL, so a few threads in the training process decode in parallel
 samples into a preallocated batch (uint8 NCHW for images, in channels-last memory for RGB, as FFCV's
 batches are; the sample's own dtype and shape otherwise, e.g. float32 volumes with float targets for
 regression): no worker processes to start each epoch, no batch pickled
-or passed through shared memory, no fresh batch tensor per step. Buffers come from a ring and are reused
-``ring`` batches later, so a batch stays valid while the trainer holds it (it holds at most a step's
-micro-batches); with ``pin_memory`` (CUDA) the ring is pinned once.
+or passed through shared memory, no fresh batch tensor per step. Buffers come from a ring (a
+:class:`BatchRing`) and are reused ``size`` batches later, so a batch stays valid while the trainer holds it (it
+holds at most a step's micro-batches). A loader keeps its ring for every epoch: allocated (and, with
+``pin_memory`` on CUDA, pinned) once, its pages touched once.
 
 The samples are the ones the dataset's transform gives (keyed by (seed, epoch, index)), whichever thread
 decodes them: a batch is bit-identical to the one the DataLoader path collates.
@@ -16,6 +17,7 @@ decodes them: a batch is bit-identical to the one the DataLoader path collates.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -59,17 +61,88 @@ class BatchFillableDataset(FillableDataset, Protocol):
         ...
 
 
+class BatchRing:
+    """``size`` batch buffers reused in turn, kept across iterations: one :class:`ThreadedBatches` iteration
+    uses it at a time, going on from the slot the previous one stopped at, so the batches the trainer still
+    holds from the previous epoch stay intact. ``pin_memory``: pinned buffers (where CUDA is present).
+
+    The buffers are sized by the first samples read (their shape, dtype and target) and allocated on first
+    use; again only for a larger batch.
+    """
+
+    def __init__(self, size: int, *, pin_memory: bool = False) -> None:
+        self.size = int(size)
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self.shape: tuple[int, ...] | None = None
+        """A sample's shape (None until the first sample is read)."""
+        self.dtype = torch.uint8
+        self.targets: np.ndarray | None = None
+        """An array target's (shape, dtype) template, e.g. regression; None for integer labels."""
+        self._buffers: list[tuple[torch.Tensor, np.ndarray]] = []
+        self._kept: list[np.ndarray] = []
+        self._slot = 0
+        self._lease = threading.Lock()
+
+    def size_by(self, sample: tuple[Any, Any]) -> None:
+        """Take the buffers' sample shape, dtype and target kind from ``sample`` (image, label)."""
+        image = np.asarray(sample[0])
+        self.shape = tuple(image.shape)
+        self.dtype = torch.from_numpy(image[:0]).dtype
+        if isinstance(sample[1], np.ndarray):
+            self.targets = sample[1]
+
+    def lease(self) -> bool:
+        """Claim the ring for one iteration; False when another iteration holds it (a generator not closed)."""
+        return self._lease.acquire(blocking=False)
+
+    def release(self) -> None:
+        """End the iteration's claim (its decodes are done)."""
+        self._lease.release()
+
+    def take(self, batch: int) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+        """The next buffers (images, labels, kept flags) for a batch of ``batch`` samples."""
+        assert self.shape is not None, "size_by() first"
+        if not self._buffers or self._buffers[0][0].shape[0] < batch:
+            self._allocate(batch, self.shape)
+        images, labels = self._buffers[self._slot]
+        kept = self._kept[self._slot]
+        self._slot = (self._slot + 1) % self.size
+        return images, labels, kept
+
+    def _allocate(self, batch: int, shape: tuple[int, ...]) -> None:
+        self._buffers, self._kept = [], []
+        # RGB images live in channels-last memory (each sample one HWC block, the batch an NCHW view): a
+        # decoder writes a sample where it lies, with no HWC -> CHW copy; the trainer's first cast
+        # (``normalize``) lays the batch out as the model wants it.
+        image_batch = self.dtype == torch.uint8 and len(shape) == 3 and shape[0] == 3
+        for _ in range(self.size):
+            if image_batch:
+                channels, height, width = shape
+                images = torch.empty(
+                    (batch, height, width, channels), dtype=self.dtype, pin_memory=self.pin_memory
+                ).permute(0, 3, 1, 2)
+            else:
+                images = torch.empty((batch, *shape), dtype=self.dtype, pin_memory=self.pin_memory)
+            if self.targets is None:
+                labels = np.empty(batch, dtype=np.int64)
+            else:
+                labels = np.empty((batch, *self.targets.shape), dtype=self.targets.dtype)
+            self._buffers.append((images, labels))
+            self._kept.append(np.ones(batch, dtype=bool))
+
+
 class ThreadedBatches:
     """Iterate ``(images, labels)`` batches for ``batches`` of keys, decoded by ``threads`` threads.
 
-    ``prefetch`` batches are decoded ahead of the one being consumed. ``ring`` buffers (at least
-    ``prefetch + 2``) are reused in turn; the caller must be done with a batch ``ring - prefetch - 1``
-    batches later. A batch with samples skipped as damaged is returned compacted (smaller).
+    ``prefetch`` batches are decoded ahead of the one being consumed, into the buffers of ``ring`` (at least
+    ``prefetch + 2`` of them; None: a ring of its own of that many); the caller must be done with a batch
+    ``ring.size - prefetch - 1`` batches later. A batch with samples skipped as damaged is returned compacted
+    (smaller). An iteration that finds ``ring`` in use by another decodes into a ring of its own.
 
     ``chunked`` (a dataset with ``read_batch_into``, image samples): each thread decodes a contiguous
     chunk of the batch in one ``read_batch_into`` call (:mod:`kaisoku.data.loading.batch_augment`) instead
-    of every ``threads``-th sample one call each. (The samples read to size the buffers, the epoch's first,
-    stay the per-sample path's: read once, counted once.) Every read of a batch runs inside
+    of every ``threads``-th sample one call each. (The samples read to size the ring, the first ones it
+    serves, stay the per-sample path's: read once, counted once.) Every read of a batch runs inside
     ``read_context(keys)``.
     """
 
@@ -80,8 +153,7 @@ class ThreadedBatches:
         *,
         threads: int,
         prefetch: int = 2,
-        ring: int = 4,
-        pin_memory: bool = False,
+        ring: BatchRing | None = None,
         chunked: bool = False,
         read_context: ReadContext = no_read_context,
     ) -> None:
@@ -91,35 +163,11 @@ class ThreadedBatches:
         self.batches = iter(batches)
         self.threads = max(1, int(threads))
         self.prefetch = max(1, int(prefetch))
-        self.ring = max(int(ring), self.prefetch + 2)
-        self.pin_memory = pin_memory and torch.cuda.is_available()
-        self._buffers: list[tuple[torch.Tensor, np.ndarray]] = []
-        self._shape: tuple[int, ...] | None = None
-        self._dtype = torch.uint8
-        self._targets: np.ndarray | None = None  # an array target's (shape, dtype) template, e.g. regression
-        self._kept: list[np.ndarray] = []
-        self._slot = 0
-
-    def _allocate(self, batch: int, shape: tuple[int, ...]) -> None:
-        self._buffers, self._kept = [], []
-        # RGB images live in channels-last memory (each sample one HWC block, the batch an NCHW view): a
-        # decoder writes a sample where it lies, with no HWC -> CHW copy; the trainer's first cast
-        # (``normalize``) lays the batch out as the model wants it.
-        image_batch = self._dtype == torch.uint8 and len(shape) == 3 and shape[0] == 3
-        for _ in range(self.ring):
-            if image_batch:
-                channels, height, width = shape
-                images = torch.empty(
-                    (batch, height, width, channels), dtype=self._dtype, pin_memory=self.pin_memory
-                ).permute(0, 3, 1, 2)
-            else:
-                images = torch.empty((batch, *shape), dtype=self._dtype, pin_memory=self.pin_memory)
-            if self._targets is None:
-                labels = np.empty(batch, dtype=np.int64)
-            else:
-                labels = np.empty((batch, *self._targets.shape), dtype=self._targets.dtype)
-            self._buffers.append((images, labels))
-            self._kept.append(np.ones(batch, dtype=bool))
+        self.ring = ring if ring is not None else BatchRing(self.prefetch + 2)
+        if self.ring.size < self.prefetch + 2:
+            raise ValueError(
+                f"a ring of {self.ring.size} buffers is too small for {self.prefetch} prefetched"
+            )
 
     def _first_samples(self, keys: Sequence[Key]) -> dict[int, tuple[np.ndarray, int] | None]:
         """Samples read the ordinary way up to the first one not skipped: its shape sizes the buffers."""
@@ -140,9 +188,10 @@ class ThreadedBatches:
         keys: Sequence[Key],
         part: int,
         done: int,
+        array_targets: bool,
     ) -> None:
         with self.read_context(keys):
-            if self.chunked and self._targets is None:
+            if self.chunked and not array_targets:
                 size = -(-(len(keys) - done) // self.threads)
                 begin, end = done + part * size, min(len(keys), done + (part + 1) * size)
                 if begin < end:
@@ -154,32 +203,25 @@ class ThreadedBatches:
             for j in range(part, len(keys), self.threads):
                 if j >= done:  # the first ``done`` samples were read while sizing the buffers
                     label = self.dataset.read_into(keys[j], images[j])
-                    if self._targets is None:
+                    if not array_targets:
                         labels[j] = _SKIPPED if label is None else label
                     else:
                         kept[j] = label is not None
                         if label is not None:
                             labels[j] = label
 
-    def _submit(self, pool: ThreadPoolExecutor, keys: Sequence[Key]) -> tuple[Any, ...]:
+    def _submit(self, pool: ThreadPoolExecutor, ring: BatchRing, keys: Sequence[Key]) -> tuple[Any, ...]:
         first: dict[int, tuple[np.ndarray, int] | None] = {}
-        if self._shape is None:
+        if ring.shape is None:
             with self.read_context(keys):
                 first = self._first_samples(keys)
-            sample0 = next(s for s in first.values() if s is not None)
-            self._shape = tuple(np.asarray(sample0[0]).shape)
-            self._dtype = torch.from_numpy(np.asarray(sample0[0])[:0]).dtype
-            if isinstance(sample0[1], np.ndarray):
-                self._targets = sample0[1]
-        if not self._buffers or self._buffers[0][0].shape[0] < len(keys):
-            self._allocate(len(keys), self._shape)
-        images, labels = self._buffers[self._slot]
-        kept = self._kept[self._slot]
+            ring.size_by(next(s for s in first.values() if s is not None))
+        array_targets = ring.targets is not None
+        images, labels, kept = ring.take(len(keys))
         kept[:] = True
-        self._slot = (self._slot + 1) % self.ring
         view = images.numpy()[: len(keys)]
         for j, sample in first.items():
-            if self._targets is None:
+            if not array_targets:
                 labels[j] = _SKIPPED if sample is None else sample[1]
             else:
                 kept[j] = sample is not None
@@ -189,25 +231,32 @@ class ThreadedBatches:
                 view[j] = sample[0]
         done = len(first)
         futures = [
-            pool.submit(self._fill, view, labels, kept, keys, part, done) for part in range(self.threads)
+            pool.submit(self._fill, view, labels, kept, keys, part, done, array_targets)
+            for part in range(self.threads)
         ]
-        array_kept = kept[: len(keys)] if self._targets is not None else None
+        array_kept = kept[: len(keys)] if array_targets else None
         return images[: len(keys)], labels[: len(keys)], futures, array_kept
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        leased = self.ring.lease()
+        ring = self.ring if leased else BatchRing(self.ring.size, pin_memory=self.ring.pin_memory)
         pending: deque[tuple[Any, ...]] = deque()
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="kaisoku-decode") as pool:
-            try:
-                for keys in self.batches:
-                    pending.append(self._submit(pool, keys))
-                    if len(pending) > self.prefetch:
+        try:
+            with ThreadPoolExecutor(self.threads, thread_name_prefix="kaisoku-decode") as pool:
+                try:
+                    for keys in self.batches:
+                        pending.append(self._submit(pool, ring, keys))
+                        if len(pending) > self.prefetch:
+                            yield self._finish(pending.popleft())
+                    while pending:
                         yield self._finish(pending.popleft())
-                while pending:
-                    yield self._finish(pending.popleft())
-            finally:
-                for _, _, futures, _ in pending:
-                    for future in futures:
-                        future.cancel()
+                finally:
+                    for _, _, futures, _ in pending:
+                        for future in futures:
+                            future.cancel()
+        finally:  # the pool has shut down: no decode of this iteration still writes into the ring
+            if leased:
+                self.ring.release()
 
     @staticmethod
     def _finish(entry: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from kaisoku.data.loading.batches import Key, ThreadedBatches, no_read_context
+from kaisoku.data.loading.batches import BatchRing, Key, ThreadedBatches, no_read_context
 from kaisoku.data.loading.counters import LoaderCounters
 from kaisoku.data.loading.dataset import ShardedDataset
 from kaisoku.data.loading.gpu_decode import EncodedBatch, EncodedBatches, decode_place
@@ -197,6 +197,7 @@ class ShardLoader:
         self.pin_memory = pin_memory
         self.cache: NodeCache | None = None
         self._received: RecordStore | None = None
+        self._ring: BatchRing | None = None  # the thread paths' batch buffers
         self._consumed_steps = 0
         self.last_quality: float | None = None
         if dataset.source.counters is None:  # a dataset built without its loader's counters counts here
@@ -280,14 +281,15 @@ class ShardLoader:
                 samples, KeyedMicroBatches(self.sampler), threads=max(1, self.workers), read_context=reads
             )
         elif self.batch_path in ("batch", "threads"):
-            micro = self.sampler.micro_batches
+            if self._ring is None:  # one for every epoch: allocated, pinned and paged in once
+                # The trainer holds a step's micro-batches; plus the prefetched ones.
+                self._ring = BatchRing(2 * self.sampler.micro_batches + 4, pin_memory=self.pin_memory)
             loader = ThreadedBatches(
                 samples,
                 KeyedMicroBatches(self.sampler),
                 threads=max(1, self.workers),
                 prefetch=2,
-                ring=2 * micro + 4,  # the trainer holds a step's micro-batches; plus the prefetched ones
-                pin_memory=self.pin_memory,
+                ring=self._ring,
                 chunked=self.batch_path == "batch",
                 read_context=reads,
             )
