@@ -7,6 +7,8 @@ notes the process tree's anonymous and shared memory (``Pss_Anon + Pss_Shmem`` o
 and the shared-memory batches they hand over count, each shared page once), iterates ``EPOCHS`` epochs
 while a thread samples that sum every ``SAMPLE_S`` seconds, and reports the peak above the start. Mapped
 shard files and library code are file pages the page cache holds for every process: they do not count.
+OpenCV is imported before the start on every path: its import's allocations are the process's, once, not
+a worker's.
 
 Rows per set: the default batch path, the per-sample path (the same threads and batch ring, one sample per
 call: the loader as it decoded before the batch pipeline) and the DataLoader worker-process path
@@ -100,9 +102,13 @@ def _measure(pack_dir: Path, size: int, crop: bool, path: str) -> dict[str, Any]
 
     import torch
 
+    from kaisoku.data.loading.transforms import resizer
     from kaisoku_bench.imagesets import WORKERS, epoch_of, production_loader, work_transform
 
     torch.set_num_threads(1)
+    # OpenCV (the resizer, which the batch path also flips with) is imported before the start on every path:
+    # its import allocates about 4 MiB once per process, not per worker.
+    resizer()
     loader = production_loader(pack_dir, work_transform(size, crop), batch_path=path)
     gc.collect()
     start = tree_bytes(os.getpid())
