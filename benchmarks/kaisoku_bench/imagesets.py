@@ -113,9 +113,17 @@ OWN_FORMAT = ImageRecode(quality=90, subsampling="420")
 
 def own_format_pack(image_set: ImageSet) -> Path:
     """``image_set`` packed again in :data:`OWN_FORMAT` (once, kept between runs), beside its plain pack."""
-    pack_dir = image_set.pack_dir.with_name(
-        f"{image_set.pack_dir.name}-q{OWN_FORMAT.quality}-{OWN_FORMAT.subsampling}"
-    )
+    return _recoded_pack(image_set, OWN_FORMAT, f"q{OWN_FORMAT.quality}-{OWN_FORMAT.subsampling}")
+
+
+def raw_pixel_pack(image_set: ImageSet) -> Path:
+    """``image_set`` packed again as raw pixels (``kaisoku pack --raw-side <its size>``: every image, decoded
+    once; the format for tiny images), once, kept between runs, beside its plain pack."""
+    return _recoded_pack(image_set, ImageRecode(quality=0, raw_side=image_set.size), "raw")
+
+
+def _recoded_pack(image_set: ImageSet, recode: ImageRecode, suffix: str) -> Path:
+    pack_dir = image_set.pack_dir.with_name(f"{image_set.pack_dir.name}-{suffix}")
     if not (pack_dir / "index.json").exists():
         start = time.perf_counter()
         pack(
@@ -125,7 +133,7 @@ def own_format_pack(image_set: ImageSet) -> Path:
             overwrite=True,
             progress=False,
             seed=SEED,
-            recode=OWN_FORMAT,
+            recode=recode,
         )
         log(f"packed {image_set.folder.parent.name} re-encoded in {time.perf_counter() - start:.1f} s")
     return pack_dir

@@ -10,6 +10,7 @@ interleaved, the first epoch reported apart. The index part is
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import statistics
@@ -33,6 +34,7 @@ from kaisoku.data.loading.transforms import (
     decode_image,
     resizer,
 )
+from kaisoku.data.shards.format import read_index
 from kaisoku.distributed.env import World
 from kaisoku.engine.data_build import shard_loader
 from kaisoku.run_facts import plan_run
@@ -51,6 +53,7 @@ from kaisoku_bench.imagesets import (
     own_format_pack,
     photo_set,
     production_loader,
+    raw_pixel_pack,
     work_transform,
 )
 from kaisoku_bench.loader_index import index_part
@@ -125,6 +128,8 @@ class RowSet:
     rounds: int
     ffcv: bool = True
     """Run FFCV's row (``--quick`` does not: its first epoch compiles for half a minute)."""
+    raw: bool = False
+    """Also read raw pixels (tiny images): kaisoku's ``pack --raw-side`` and FFCV's ``write_mode="raw"``."""
 
     @property
     def name(self) -> str:
@@ -146,6 +151,8 @@ def _kaisoku_decoder(row: str) -> str:
         decoder += f" + {resizer()} resizer (batch path)"
     if row == "kaisoku-own-format":
         decoder += " on its own format (re-encoded q90 4:2:0, as FFCV's)"
+    if row == "kaisoku-raw":
+        decoder = "raw pixels (pack --raw-side), no decoding (batch path)"
     if row == "kaisoku-first-epoch":
         decoder += ", a fresh loader"
     return decoder
@@ -215,6 +222,8 @@ def part_a(row_sets: Sequence[RowSet], peer_dir: Path, *, warm_up: bool = True) 
             pixel_mean_abs_diff=per_sample.get("pixel_mean_abs_diff_vs_batch"),
             resizer=resizer(),
         )
+        if "kaisoku-raw" in steady:
+            summary.update(_raw_pixel_goals(name, set_rows, steady, over))
         if row_set.images.name == "imagenet-like":
             summary[f"kaisoku_exact_vs_full_decode_limit_{name}"] = goal(
                 kaisoku / steady["limit"], ">= 0.95", samples=over("kaisoku", "limit"), unit="rounds"
@@ -366,6 +375,46 @@ def _peer_builders(row_set: RowSet, peer_dir: Path) -> dict[str, Callable[[], lo
     return builders
 
 
+def _raw_pixel_goals(
+    name: str,
+    set_rows: list[dict[str, Any]],
+    steady: dict[str, float],
+    over: Callable[[str, str | None], list[float] | None],
+) -> dict[str, dict[str, Any]]:
+    """The raw-pixel figures of a set: kaisoku against FFCV, each on raw pixels, and against kaisoku's own
+    JPEG format (whether ``pack --raw-side`` pays, and for how many bytes)."""
+    row_of = {r["row"]: r for r in set_rows}
+    ffcv_raw = row_of.get("ffcv-raw", {})
+    return {
+        f"kaisoku_raw_vs_ffcv_raw_{name}": goal(
+            steady["kaisoku-raw"] / steady["ffcv-raw"] if "ffcv-raw" in steady else None,
+            ">= 1.0",
+            samples=over("kaisoku-raw", "ffcv-raw"),
+            unit="rounds",
+            reason=ffcv_raw.get("skipped", ""),
+            formats="each on raw pixels: kaisoku pack --raw-side, FFCV's write_mode raw",
+        ),
+        f"kaisoku_raw_vs_own_format_{name}": goal(
+            steady["kaisoku-raw"] / steady["kaisoku-own-format"],
+            ">= 1.0",
+            samples=over("kaisoku-raw", "kaisoku-own-format"),
+            unit="rounds",
+            bytes_vs_own_format=round(
+                row_of["kaisoku-raw"]["pack_bytes"] / row_of["kaisoku-own-format"]["pack_bytes"], 2
+            ),
+        ),
+    }
+
+
+def _ffcv_epoch(ffcv: loader_peers.FFCVRow, record: _RowRecord, size: int) -> float:
+    """One epoch of an FFCV row; its samples, CPU and batch shape recorded in ``record``."""
+    samples, seconds, cpu = ffcv.epoch()
+    record.samples.append(samples)
+    record.cpu_us.append(cpu / samples * 1e6)
+    record.shape = f"uint8[{BATCH},3,{size},{size}] (ToTorchImage)"
+    return samples / seconds
+
+
 def _part_a_set(
     row_set: RowSet, peer_dir: Path, warm_up: bool
 ) -> tuple[list[dict], dict[str, float], dict[str, list[float]]]:
@@ -380,12 +429,17 @@ def _part_a_set(
     epochs = iter(range(1, 10**6))
     transform = row_set.transform
     own_pack = own_format_pack(image_set)
+    packs = {"kaisoku": image_set.pack_dir, "kaisoku-own-format": own_pack}
+    if row_set.raw:
+        packs["kaisoku-raw"] = raw_pixel_pack(image_set)
     kaisoku_rows = {
         "kaisoku": production_loader(image_set.pack_dir, transform),  # data.loader batch, the default
         "kaisoku-per-sample": production_loader(image_set.pack_dir, transform, batch_path="threads"),
         # kaisoku on its own preferred format, as FFCV's row reads FFCV's re-encoded file
         "kaisoku-own-format": production_loader(own_pack, transform),
     }
+    if row_set.raw:  # raw pixels, as FFCV's raw row reads them
+        kaisoku_rows["kaisoku-raw"] = production_loader(packs["kaisoku-raw"], transform)
     if torch.cuda.is_available():  # data.decode gpu: the same set decoded on the device
         gpu_loader = gpu_decode_loader(image_set.pack_dir, transform)
         records["kaisoku-gpu-decode"] = _RowRecord("kaisoku-gpu-decode", "nvJPEG (torchvision, batched)", [])
@@ -428,30 +482,25 @@ def _part_a_set(
         peers.append(peer)
         records[name] = _RowRecord(name, peer.decoder, [])
         runs[name] = lambda p=peer: _time_epoch(p.make(), records[p.name], size)
-    try:
-        if not row_set.ffcv:
-            raise loader_peers.PeerMissing("not run with --quick (its first epoch compiles for ~30 s)")
-        ffcv = loader_peers.FFCVRow(
-            image_set.shuffled_files(),
-            loader_peers.format_folder(peer_dir, image_set.folder.parent.name, "ffcv"),
-            batch=BATCH,
-            workers=WORKERS,
-            crop=size if row_set.crop else 0,
-        )
-    except loader_peers.PeerMissing as missing:
-        rows.append({"part": "a", "size": row_set.name, "row": "ffcv", "skipped": str(missing)})
-    else:
-        records["ffcv"] = _RowRecord("ffcv", "libjpeg-turbo (FFCV, re-encoded q90)", [])
-
-        def ffcv_epoch() -> float:
-            samples, seconds, cpu = ffcv.epoch()
-            records["ffcv"].samples.append(samples)
-            records["ffcv"].cpu_us.append(cpu / samples * 1e6)
-            records["ffcv"].shape = f"uint8[{BATCH},3,{size},{size}] (ToTorchImage)"
-            return samples / seconds
-
-        runs["ffcv"] = ffcv_epoch
-        peers.append(loader_peers.PeerLoader("ffcv", "ffcv", lambda: [], close=ffcv.close))
+    for ffcv_name in ("ffcv", "ffcv-raw") if row_set.raw else ("ffcv",):
+        try:
+            if not row_set.ffcv:
+                raise loader_peers.PeerMissing("not run with --quick (its first epoch compiles for ~30 s)")
+            ffcv = loader_peers.FFCVRow(
+                image_set.shuffled_files(),
+                loader_peers.format_folder(peer_dir, image_set.folder.parent.name, ffcv_name),
+                batch=BATCH,
+                workers=WORKERS,
+                crop=size if row_set.crop else 0,
+                raw=ffcv_name == "ffcv-raw",
+            )
+        except loader_peers.PeerMissing as missing:
+            rows.append({"part": "a", "size": row_set.name, "row": ffcv_name, "skipped": str(missing)})
+            continue
+        decoder = "raw pixels (FFCV, write_mode raw)" if ffcv_name == "ffcv-raw" else ""
+        records[ffcv_name] = _RowRecord(ffcv_name, decoder or "libjpeg-turbo (FFCV, re-encoded q90)", [])
+        runs[ffcv_name] = functools.partial(_ffcv_epoch, ffcv, records[ffcv_name], size)
+        peers.append(loader_peers.PeerLoader(ffcv_name, ffcv_name, lambda: [], close=ffcv.close))
     blobs = [loader_peers.read_bytes(path) for path, _ in image_set.shuffled_files()]
     blobs = blobs[: max(256, len(blobs) // 4)]  # a quarter of the set: the limit is a rate
     records["limit"] = _RowRecord("limit", "simplejpeg", [])
@@ -467,7 +516,7 @@ def _part_a_set(
     runs["limit"] = limit
     if warm_up:  # every row reads warm data: bring all of its files into the page cache first
         stem = image_set.folder.parent.name
-        _read_tree([image_set.folder, image_set.pack_dir, own_pack, *peer_dir.glob(f"{stem}-*")])
+        _read_tree([image_set.folder, *packs.values(), *peer_dir.glob(f"{stem}-*")])
     for record in records.values():
         record.samples.clear()
         record.cpu_us.clear()
@@ -497,6 +546,8 @@ def _part_a_set(
             "cpu_us_per_sample": round(cpu_us, 1),
             "cpu_vs_limit": round(limit_cpu / cpu_us, 3),
         }
+        if name in packs:
+            row["pack_bytes"] = read_index(packs[name]).nbytes
         if name == "kaisoku-gpu-decode":
             largest, mean = gpu_pixel_diff(image_set, transform)
             row["pixel_max_abs_diff_vs_host"], row["pixel_mean_abs_diff_vs_host"] = largest, round(mean, 4)
@@ -550,15 +601,15 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     if quick:
         row_sets = [
-            RowSet(image_set(1024, 64, "1MiB"), crop=False, rounds=2, ffcv=False),
-            RowSet(image_set(1024, 64, "1MiB"), crop=True, rounds=2, ffcv=False),
+            RowSet(image_set(1024, 64, "1MiB"), crop=False, rounds=2, ffcv=False, raw=True),
+            RowSet(image_set(1024, 64, "1MiB"), crop=True, rounds=2, ffcv=False, raw=True),
             RowSet(image_set(1024, 96, "2MiB"), crop=False, rounds=2, ffcv=False),
             RowSet(photo_set(400), crop=True, rounds=2, ffcv=False),
         ]
     else:
         row_sets = [
-            RowSet(image_set(20000, 64, "8MiB"), crop=False, rounds=5),
-            RowSet(image_set(20000, 64, "8MiB"), crop=True, rounds=5),
+            RowSet(image_set(20000, 64, "8MiB"), crop=False, rounds=5, raw=True),
+            RowSet(image_set(20000, 64, "8MiB"), crop=True, rounds=5, raw=True),
             RowSet(image_set(20000, 160, "16MiB"), crop=False, rounds=4),
             RowSet(image_set(20000, 160, "16MiB"), crop=True, rounds=4),
             RowSet(photo_set(5000), crop=True, rounds=4),

@@ -34,7 +34,13 @@ PEERS = ("imagefolder-pil", "imagefolder-simplejpeg", "webdataset", "mds", "litd
 
 _DONE = ".kaisoku-bench-complete"
 
-_FORMAT_SUFFIX = {"litdata": "litdata", "mds": "mds", "webdataset": "wds", "ffcv": "ffcv"}
+_FORMAT_SUFFIX = {
+    "litdata": "litdata",
+    "mds": "mds",
+    "webdataset": "wds",
+    "ffcv": "ffcv",
+    "ffcv-raw": "ffcv-raw",
+}
 
 
 def format_folder(peer_dir: Path, stem: str, peer: str) -> Path:
@@ -363,14 +369,22 @@ def ffcv_python() -> str | None:
 class FFCVRow:
     """FFCV's loader in a child process (its own interpreter), driven epoch by epoch over a pipe.
 
-    The child writes FFCV's ``.beton`` of the files once (its writer re-encodes the JPEGs at quality 90),
-    then for each ``epoch()`` call iterates one epoch of ``Loader(os_cache=True, order=RANDOM)`` with
-    ``SimpleRGBImageDecoder`` (or ``RandomResizedCropRGBImageDecoder`` when ``crop``), ``RandomHorizontalFlip``,
-    ``ToTensor``, ``ToTorchImage`` and reports samples, seconds and its CPU seconds.
+    The child writes FFCV's ``.beton`` of the files once (its writer re-encodes the JPEGs at quality 90; with
+    ``raw``, ``write_mode="raw"``: the decoded pixels, its format for tiny images), then for each ``epoch()``
+    call iterates one epoch of ``Loader(os_cache=True, order=RANDOM)`` with ``SimpleRGBImageDecoder`` (or
+    ``RandomResizedCropRGBImageDecoder`` when ``crop``), ``RandomHorizontalFlip``, ``ToTensor``,
+    ``ToTorchImage`` and reports samples, seconds and its CPU seconds.
     """
 
     def __init__(
-        self, files: Sequence[tuple[str, int]], directory: Path, *, batch: int, workers: int, crop: int
+        self,
+        files: Sequence[tuple[str, int]],
+        directory: Path,
+        *,
+        batch: int,
+        workers: int,
+        crop: int,
+        raw: bool = False,
     ) -> None:
         python = ffcv_python()
         if python is None:
@@ -389,6 +403,7 @@ class FFCVRow:
             str(batch),
             str(workers),
             str(crop),
+            "raw" if raw else "jpg",
         ]
         self.proc = subprocess.Popen(
             args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env
@@ -413,7 +428,7 @@ class FFCVRow:
             self.proc.wait(30)
 
 
-def _ffcv_child(directory: Path, batch: int, workers: int, crop: int) -> None:
+def _ffcv_child(directory: Path, batch: int, workers: int, crop: int, write_mode: str) -> None:
     import time
 
     from ffcv.fields import IntField, RGBImageField
@@ -434,7 +449,7 @@ def _ffcv_child(directory: Path, batch: int, workers: int, crop: int) -> None:
             def __getitem__(self, i: int) -> tuple[Any, int]:
                 return Image.open(files[i][0]).convert("RGB"), int(files[i][1])
 
-        field = RGBImageField(write_mode="jpg", jpeg_quality=90)
+        field = RGBImageField(write_mode=write_mode, jpeg_quality=90)
         DatasetWriter(str(beton), {"image": field, "label": IntField()}, num_workers=1).from_indexed_dataset(
             Items()
         )
@@ -463,4 +478,4 @@ def _ffcv_child(directory: Path, batch: int, workers: int, crop: int) -> None:
 
 
 if __name__ == "__main__":
-    _ffcv_child(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    _ffcv_child(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])

@@ -306,6 +306,15 @@ def cmd_pack(argv: Sequence[str]) -> int:
         "with no --jpeg-quality the quality is 90",
     )
     parser.add_argument(
+        "--raw-side",
+        type=int,
+        default=0,
+        help="store images whose longer side is at most this many pixels (after --max-side) as raw pixels "
+        "(binary PNM, lossless, read by a copy with no decoding); other images as the options above say. "
+        "Off (0) by default, as they take several times a JPEG's bytes. Measured on 64 px images (kaisoku bench "
+        "loader): 1.5x the images per second of --jpeg-quality 90 4:2:0, for 5.5x its bytes",
+    )
+    parser.add_argument(
         "--upgrade",
         action="store_true",
         help="kaisoku pack --upgrade DIR: rewrite DIR's index as the current format version (shards stay)",
@@ -319,10 +328,13 @@ def cmd_pack(argv: Sequence[str]) -> int:
 
         args.codec = delta_codec_name(args.error_bound, args.error_mode)
     recode = None
-    if args.jpeg_quality or args.max_side:
+    if args.jpeg_quality or args.max_side or args.raw_side:
         try:
             recode = ImageRecode(
-                quality=args.jpeg_quality or 90, subsampling=args.jpeg_subsampling, max_side=args.max_side
+                quality=args.jpeg_quality or (90 if args.max_side else 0),
+                subsampling=args.jpeg_subsampling,
+                max_side=args.max_side,
+                raw_side=args.raw_side,
             )
         except ValueError as error:
             raise ConfigError(f"kaisoku pack: {error}") from None

@@ -32,6 +32,7 @@ from kaisoku.data.loading.transforms import (
 )
 from kaisoku.data.order.shuffle import ShuffleSpec
 from kaisoku.data.shards.format import read_index
+from kaisoku.data.shards.recode import ImageRecode, raw_pixel_bytes
 from kaisoku.data.shards.writer import pack
 from tests.data.loading.test_batches import _received_half
 
@@ -89,6 +90,15 @@ def _mixed_blobs(size: int) -> list[bytes]:
     return blobs
 
 
+def _raw_blobs(blobs: list[bytes]) -> list[bytes]:
+    """``blobs`` decoded and stored as raw pixels (``kaisoku pack --raw-side``), the grey one as grey (P5)."""
+    raw = []
+    for data in blobs:
+        image = Image.open(io.BytesIO(data))
+        raw.append(raw_pixel_bytes(image.convert("L" if image.mode == "L" else "RGB")))
+    return raw
+
+
 def _batch_buffer(count: int, size: int, layout: str) -> np.ndarray:
     """An N x 3 x S x S uint8 buffer, filled with 7s: plain, or channels-last as ThreadedBatches lays out."""
     if layout == "channels-last":
@@ -96,14 +106,22 @@ def _batch_buffer(count: int, size: int, layout: str) -> np.ndarray:
     return np.full((count, 3, size, size), 7, dtype=np.uint8)
 
 
+@pytest.mark.parametrize("stored", ["encoded", "raw-pixels"])
 @pytest.mark.parametrize("layout", ["contiguous", "channels-last"])
 @pytest.mark.parametrize("whole", [False, True], ids=["crops", "whole-images"])
 @pytest.mark.parametrize("size,source", [(24, 24), (64, 64), (24, 80)], ids=["24", "64", "24-from-80"])
 def test_batch_path_gives_the_per_sample_paths_pixels(
-    size: int, source: int, whole: bool, layout: str
+    size: int, source: int, whole: bool, layout: str, stored: str
 ) -> None:
-    # Images of the output's size (enlarged crops: OpenCV) and 3x it (reduced: torch's antialiased kernel).
+    # Images of the output's size (enlarged crops: OpenCV) and 3x it (reduced: torch's antialiased kernel);
+    # JPEGs and a PNG, or the same pixels stored raw (read in place; mirrored as copied into a slot).
     blobs = _mixed_blobs(source)
+    if stored == "raw-pixels":
+        decoded = [decode_image(data) for data in blobs]
+        blobs = _raw_blobs(blobs)
+        assert blobs[7].startswith(b"P5") and blobs[0].startswith(b"P6")
+        for data, pixels in zip(blobs, decoded, strict=True):  # lossless: the source's decoded pixels
+            assert np.array_equal(decode_image(data), pixels)
     # Whole images: the squares at the output size decode straight into a channels-last slot.
     spec = AugmentSpec(size=size, scale=(1.0, 1.0), ratio=(1.0, 1.0)) if whole else AugmentSpec(size=size)
     indices = np.arange(100, 140)
@@ -163,6 +181,29 @@ def test_batch_path_gives_the_same_batches_for_any_worker_count(packed: Path) ->
     for (a, la), (b, lb) in zip(runs[0], reference, strict=True):  # a PNG and a grey JPEG among them
         diff = (a.to(torch.int16) - b.to(torch.int16)).abs()
         assert torch.equal(la, lb) and int(diff.max()) <= largest and float(diff.float().mean()) <= mean
+
+
+def test_a_raw_pixel_pack_gives_the_batches_of_the_encoded_pack(packed: Path, tmp_path: Path) -> None:
+    """Raw pixels (``kaisoku pack --raw-side``) are the source's decoded pixels: the loader gives the encoded
+    pack's batches, bit for bit, on the batch path for any worker count and on the per-sample path."""
+    source = packed.parent / "src"
+    pack(
+        source,
+        tmp_path / "raw",
+        shard_bytes=3000,
+        workers=0,
+        progress=False,
+        recode=ImageRecode(quality=0, raw_side=64),
+    )
+    index = read_index(tmp_path / "raw")
+    shards = b"".join(index.shard_path(k).read_bytes() for k in range(len(index.shards)))
+    assert shards.count(b"P6\n24 20\n255\n") + shards.count(b"P5\n24 20\n255\n") == index.num_samples
+    reference = _epoch(_loader(packed, path="threads", workers=1), 1)
+    assert len(reference) > 1
+    for path, workers in (("batch", 0), ("batch", 2), ("threads", 1)):
+        got = _epoch(_loader(tmp_path / "raw", path=path, workers=workers), 1)
+        for (a, la), (b, lb) in zip(got, reference, strict=True):
+            assert torch.equal(a, b) and torch.equal(la, lb), (path, workers)
 
 
 def test_damaged_record_is_skipped_or_named_on_the_batch_path(packed: Path) -> None:

@@ -24,7 +24,7 @@ from kaisoku.data.loading.gpu_decode import (
 from kaisoku.data.loading.loader import ShardLoader
 from kaisoku.data.loading.transforms import AugmentSpec, decode_image
 from kaisoku.data.order.shuffle import ShuffleSpec
-from tests.data.loading.test_batch_augment import _jpegs
+from tests.data.loading.test_batch_augment import _jpegs, _raw_blobs
 from tests.train_harness import train_env
 
 
@@ -50,6 +50,21 @@ def test_device_step_on_cpu_matches_the_host_path(size: int, source: int) -> Non
     # The tolerance is tight enough to catch a missed flip.
     flipped = np.flip(host, axis=3).astype(np.int16)
     assert np.abs(got.numpy().astype(np.int16) - flipped).mean() > 10 * mean
+
+
+def test_raw_pixels_are_read_on_the_host_and_cropped_on_the_device() -> None:
+    """Raw-pixel records (``kaisoku pack --raw-side``) have nothing for nvJPEG: read on the host, then
+    cropped, resized and flipped on the device within the tolerance of the host path."""
+    blobs = _raw_blobs(_jpegs(16, 24))
+    spec = AugmentSpec(size=16)
+    indices = np.arange(16)
+    host = np.empty((16, 3, 16, 16), dtype=np.uint8)
+    decode_batch_into(blobs, spec, seed=3, epoch=2, indices=indices, out=host)
+    batch = encode_batch(blobs, spec, seed=3, epoch=2, indices=indices)
+    assert sorted(batch.decoded) == list(range(16))
+    got = batch.to("cpu", non_blocking=True).numpy().astype(np.int16)
+    largest, mean = DEVICE_PIXEL_TOLERANCE
+    assert np.abs(got - host).max() <= largest and np.abs(got - host).mean() <= mean
 
 
 def test_host_decoded_images_are_cropped_on_the_device() -> None:

@@ -6,6 +6,7 @@ import io
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -330,7 +331,7 @@ def test_pack_recodes_images_as_jpegs_of_the_quality_subsampling_and_size_asked(
     )
     assert result.returncode == 0, result.stderr
     index = read_index(tmp_path / "dst")
-    assert index.pack["recode"] == {"quality": 75, "subsampling": "420", "max_side": 12}
+    assert index.pack["recode"] == {"quality": 75, "subsampling": "420", "max_side": 12, "raw_side": 0}
     dataset = ShardedDataset(tmp_path / "dst")
     codec = RecordCodec(index.fields, index.codec)
     sources = {len(data) for data in files.values()}
@@ -347,3 +348,52 @@ def test_pack_recodes_images_as_jpegs_of_the_quality_subsampling_and_size_asked(
     refused = kaisoku_in_process(capfd, *args[:2], str(tmp_path / "other"), "--jpeg-quality", "101")
     assert refused.returncode == 2
     assert refused.stderr.strip() == "kaisoku: error: kaisoku pack: JPEG quality 101 is outside 1..100"
+
+
+def test_pack_stores_images_up_to_the_raw_side_as_raw_pixels(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``--raw-side`` stores an image whose longer side is at most that as raw pixels (P6 RGB, P5 grey, the
+    source's decoded pixels exactly), recorded in the index; a larger image keeps the source's bytes, or
+    is re-encoded with ``--jpeg-quality``; ``--max-side`` caps before the raw side is judged."""
+    from kaisoku.data.loading.dataset import ShardedDataset
+    from kaisoku.data.loading.transforms import decode_image
+    from kaisoku.data.shards.format import read_index
+    from kaisoku.data.shards.records import RecordCodec
+    from tests.train_harness import kaisoku_in_process
+
+    files = make_image_folder(tmp_path / "src", per_class=2)  # 20 x 24 images
+    large = simplejpeg.encode_jpeg(image_array(7, height=40, width=48), quality=95)
+    (tmp_path / "src" / CLASSES[2] / "large.jpg").write_bytes(large)
+    files[f"{CLASSES[2]}/large.jpg"] = large
+    decoded = {len(data): decode_image(data) for data in files.values()}
+
+    def stored(dst: str, *options: str) -> tuple[Any, list[bytes]]:
+        args = ["pack", str(tmp_path / "src"), str(tmp_path / dst), "--workers", "1", "--no-shuffle"]
+        result = kaisoku_in_process(capfd, *args, *options)
+        assert result.returncode == 0, result.stderr
+        index = read_index(tmp_path / dst)
+        codec = RecordCodec(index.fields, index.codec)
+        dataset = ShardedDataset(tmp_path / dst)
+        return index, [bytes(codec.decode(dataset.record_bytes(i))["image"]) for i in range(len(dataset))]
+
+    index, images = stored("raw", "--raw-side", "24")
+    assert index.pack["recode"] == {"quality": 0, "subsampling": "420", "max_side": 0, "raw_side": 24}
+    raw = [data for data in images if data[:2] in (b"P6", b"P5")]
+    assert len(raw) == len(files) - 1 and sum(data.startswith(b"P5\n24 20\n255\n") for data in raw) == 1
+    assert large in images  # longer than the raw side, no quality asked: the source's bytes
+    sources = [pixels for pixels in decoded.values() if pixels.shape[:2] == (20, 24)]
+    for data in raw:  # lossless: each is one source image's decoded pixels
+        assert any(np.array_equal(decode_image(data), pixels) for pixels in sources)
+
+    _, recoded = stored("recoded", "--raw-side", "24", "--jpeg-quality", "80")
+    (jpeg,) = [data for data in recoded if data[:2] == b"\xff\xd8"]
+    assert jpeg != large and simplejpeg.decode_jpeg_header(jpeg)[:2] == (40, 48)
+    _, capped = stored("capped", "--raw-side", "24", "--max-side", "24")
+    assert all(data.startswith(b"P6\n24 20\n255\n") or data.startswith(b"P5") for data in capped)
+
+    refused = kaisoku_in_process(
+        capfd, "pack", str(tmp_path / "src"), str(tmp_path / "x"), "--raw-side", "-1"
+    )
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == "kaisoku: error: kaisoku pack: raw side -1 is negative"

@@ -34,12 +34,14 @@ import simplejpeg
 from kaisoku.data.loading.transforms import (
     _CROP_ATTEMPTS,
     _JPEG_MAGIC,
+    _PNM_MAGICS,
     AugmentSpec,
     _epoch_key,
     _opencv,
     _resize_box,
     centre_crop_box,
     decode_image,
+    raw_pixels,
 )
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -161,8 +163,10 @@ def decode_batch_into(
     Where ``out`` is in channels-last memory (:func:`hwc_slots`: the batch buffers of
     :class:`~kaisoku.data.loading.batches.ThreadedBatches`), each sample is written where it lies: a JPEG
     that is already the output (the whole image at the output size) is decoded straight into its slot,
-    a crop is resized into it, and a flip mirrors the slot in place; no HWC -> CHW copy. Images that are
-    not baseline RGB/grey JPEGs go through :func:`~kaisoku.data.loading.transforms.decode_image`, which
+    a crop is resized into it, and a flip mirrors the slot in place; no HWC -> CHW copy. Raw pixels
+    (:func:`~kaisoku.data.loading.transforms.raw_pixels`) are read where they lie, with no decoding: copied
+    (or mirrored) into the slot, or resized into it. Other images that are not baseline RGB/grey JPEGs go
+    through :func:`~kaisoku.data.loading.transforms.decode_image`, which
     raises naming ``names[n]`` for bytes that cannot be decoded.
     """
     count = len(blobs)
@@ -173,13 +177,16 @@ def decode_batch_into(
     sizes = np.zeros((count, 2), dtype=np.int64)
     decoded: dict[int, np.ndarray] = {}
     for n, data in enumerate(blobs):
-        if len(data) >= 2 and bytes(data[:2]) == _JPEG_MAGIC:
+        head = bytes(data[:2])
+        if head == _JPEG_MAGIC:
             try:
                 sizes[n] = simplejpeg.decode_jpeg_header(data)[:2]
                 continue
             except ValueError:
                 pass
-        decoded[n] = decode_image(data, name=names[n] if names else "")  # PNG and friends: decoded here
+        pixels = raw_pixels(data) if head in _PNM_MAGICS else None
+        # Raw pixels are read where they lie; PNG and friends are decoded here.
+        decoded[n] = pixels if pixels is not None else decode_image(data, name=names[n] if names else "")
         sizes[n] = decoded[n].shape[:2]
     boxes, flips = keyed_crops(
         sizes[:, 0], sizes[:, 1], spec, seed=seed, epoch=epoch, indices=np.asarray(indices)
@@ -209,6 +216,9 @@ def decode_batch_into(
             np.copyto(out[n], resized.transpose(2, 0, 1))
             continue
         slot = slots[n]
+        if in_place and not in_slot and flip and cv2 is not None:
+            cv2.flip(image, 1, dst=slot)  # raw pixels at the output size: mirrored as they are copied
+            continue
         if not in_slot:
             _resize_box(image, tuple(box), spec.size, out=slot)
         if flip:

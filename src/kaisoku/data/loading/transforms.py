@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,9 @@ IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
 """Per-channel standard deviation of ImageNet RGB images, on a 0..1 scale."""
 
 _JPEG_MAGIC = b"\xff\xd8"
+_PNM_MAGICS = (b"P6", b"P5")
+# The one header kaisoku pack writes for raw pixels (Pillow's PNM writer); other PNM headers go to Pillow.
+_PNM_HEADER = re.compile(rb"P([56])\n([1-9][0-9]{0,5}) ([1-9][0-9]{0,5})\n255\n")
 # Attempts at a random crop before falling back to a centre crop, as in torchvision.
 _CROP_ATTEMPTS = 10
 
@@ -52,6 +56,24 @@ def _decode_with_pillow(data: bytes, name: str) -> np.ndarray:
     return np.asarray(rgb)
 
 
+def raw_pixels(data: bytes | bytearray | memoryview) -> np.ndarray | None:
+    """The pixels of a raw-pixel image (``kaisoku pack --raw-side``: binary PNM, ``P6`` RGB or ``P5`` grey,
+    8 bits, the header :func:`kaisoku.data.shards.recode.raw_pixel_bytes` writes) as an HWC uint8 RGB array:
+    RGB viewed in place (read-only where ``data`` is), grey repeated into 3 channels. None for other bytes,
+    another PNM header, or a length that does not match the header (Pillow then reads or refuses them)."""
+    header = _PNM_HEADER.match(data)
+    if header is None:
+        return None
+    channels = 3 if header[1] == b"6" else 1
+    width, height = int(header[2]), int(header[3])
+    if len(data) != header.end() + width * height * channels:
+        return None
+    pixels = np.frombuffer(data, dtype=np.uint8, count=width * height * channels, offset=header.end())
+    if channels == 1:
+        return np.repeat(pixels.reshape(height, width, 1), 3, axis=2)
+    return pixels.reshape(height, width, 3)
+
+
 def decode_image(data: bytes | bytearray | memoryview, *, name: str = "", min_side: int = 0) -> np.ndarray:
     """Decode encoded image bytes to an HWC uint8 RGB array.
 
@@ -60,9 +82,14 @@ def decode_image(data: bytes | bytearray | memoryview, *, name: str = "", min_si
     back with 3 channels. ``name`` (a file or record) is named in the error raised for bytes that
     cannot be decoded. ``min_side`` > 0 lets simplejpeg decode a JPEG at a reduced DCT scale (1/2,
     1/4, 1/8) as long as both sides stay >= ``min_side``: much faster for large photos that are
-    resized down anyway; 0 decodes at full size.
+    resized down anyway; 0 decodes at full size. Raw pixels (:func:`raw_pixels`) are copied out.
     """
-    if len(data) >= 2 and bytes(data[:2]) == _JPEG_MAGIC:
+    head = bytes(data[:2])
+    if head in _PNM_MAGICS:
+        pixels = raw_pixels(data)
+        if pixels is not None:
+            return pixels.copy()  # an array of its own, not a view of the record's buffer
+    if head == _JPEG_MAGIC:
         try:
             image = simplejpeg.decode_jpeg(
                 data,

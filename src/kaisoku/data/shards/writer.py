@@ -499,7 +499,7 @@ def pack(
     """Pack ``source`` into shards and an index under ``dst``; the engine of ``kaisoku pack``.
 
     ``recode``: re-encode an ImageFolder's images (JPEG quality, chroma subsampling, a cap on the longer
-    side), recorded in the index; None keeps the source's bytes.
+    side, raw pixels for tiny images), recorded in the index; None keeps the source's bytes.
 
     ``source``: an ImageFolder directory (-> one :class:`Index`; a tree of split folders such as
     train/val -> ``{split: Index}``, each in ``dst/<split>/``), a ``.npz`` with x_<split>/y_<split>
