@@ -64,7 +64,7 @@ def test_decode_grayscale_jpeg_and_png_give_three_channels() -> None:
     np.testing.assert_array_equal(png[:, :, 1], gray[:, :, 0])
 
 
-def test_decode_cmyk_jpeg_falls_back_to_pillow() -> None:
+def test_decode_cmyk_jpeg_gives_three_channels() -> None:
     buffer = io.BytesIO()
     Image.fromarray(_gradient_image(16, 16)).convert("CMYK").save(buffer, format="JPEG")
     assert decode_image(buffer.getvalue()).shape == (16, 16, 3)

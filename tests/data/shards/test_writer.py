@@ -347,7 +347,9 @@ def test_pack_recodes_images_as_jpegs_of_the_quality_subsampling_and_size_asked(
     assert plain.returncode == 0 and "recode" not in read_index(tmp_path / "plain").pack
     refused = kaisoku_in_process(capfd, *args[:2], str(tmp_path / "other"), "--jpeg-quality", "101")
     assert refused.returncode == 2
-    assert refused.stderr.strip() == "kaisoku: error: kaisoku pack: JPEG quality 101 is outside 1..100"
+    assert refused.stderr.strip() == (
+        "kaisoku: error: kaisoku pack: JPEG quality 101 is outside 0..100 (0: keep the source's bytes)"
+    )
 
 
 def test_pack_stores_images_up_to_the_raw_side_as_raw_pixels(
@@ -362,11 +364,17 @@ def test_pack_stores_images_up_to_the_raw_side_as_raw_pixels(
     from kaisoku.data.shards.records import RecordCodec
     from tests.train_harness import kaisoku_in_process
 
-    files = make_image_folder(tmp_path / "src", per_class=2)  # 20 x 24 images
+    files = make_image_folder(tmp_path / "src", per_class=2)  # 20 x 24 images: RGB and grey JPEGs, a PNG
     large = simplejpeg.encode_jpeg(image_array(7, height=40, width=48), quality=95)
     (tmp_path / "src" / CLASSES[2] / "large.jpg").write_bytes(large)
     files[f"{CLASSES[2]}/large.jpg"] = large
-    decoded = {len(data): decode_image(data) for data in files.values()}
+    rgba = Image.fromarray(np.dstack([image_array(8), np.full((20, 24, 1), 128, np.uint8)]))
+    palette = Image.fromarray(image_array(9)).quantize(16)
+    for name, image in (("rgba.png", rgba), ("palette.png", palette)):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        (tmp_path / "src" / CLASSES[0] / name).write_bytes(buffer.getvalue())
+        files[f"{CLASSES[0]}/{name}"] = buffer.getvalue()
 
     def stored(dst: str, *options: str) -> tuple[Any, list[bytes]]:
         args = ["pack", str(tmp_path / "src"), str(tmp_path / dst), "--workers", "1", "--no-shuffle"]
@@ -382,9 +390,9 @@ def test_pack_stores_images_up_to_the_raw_side_as_raw_pixels(
     raw = [data for data in images if data[:2] in (b"P6", b"P5")]
     assert len(raw) == len(files) - 1 and sum(data.startswith(b"P5\n24 20\n255\n") for data in raw) == 1
     assert large in images  # longer than the raw side, no quality asked: the source's bytes
-    sources = [pixels for pixels in decoded.values() if pixels.shape[:2] == (20, 24)]
-    for data in raw:  # lossless: each is one source image's decoded pixels
-        assert any(np.array_equal(decode_image(data), pixels) for pixels in sources)
+    # Each record is its own source's decoded pixels: in source order (no shuffle), the large one kept.
+    sources = [decode_image(files[name]) for name in sorted(files) if name != f"{CLASSES[2]}/large.jpg"]
+    assert sorted(decode_image(data).tobytes() for data in raw) == sorted(p.tobytes() for p in sources)
 
     _, recoded = stored("recoded", "--raw-side", "24", "--jpeg-quality", "80")
     (jpeg,) = [data for data in recoded if data[:2] == b"\xff\xd8"]
@@ -397,3 +405,53 @@ def test_pack_stores_images_up_to_the_raw_side_as_raw_pixels(
     )
     assert refused.returncode == 2
     assert refused.stderr.strip() == "kaisoku: error: kaisoku pack: raw side -1 is negative"
+
+
+def test_raw_recode_settings_that_do_nothing_or_cannot_resize_are_refused() -> None:
+    from kaisoku.data.shards.recode import ImageRecode
+
+    with pytest.raises(ValueError, match="a max side needs a JPEG quality"):
+        ImageRecode(quality=0, max_side=32, raw_side=16)
+    with pytest.raises(ValueError, match="give a raw side, or nothing is recoded"):
+        ImageRecode(quality=0)
+    with pytest.raises(ValueError, match="raw side -2 is negative"):
+        ImageRecode(raw_side=-2)
+
+
+def test_other_pnm_headers_are_read_by_pillow() -> None:
+    """Only the header ``kaisoku pack`` writes is viewed in place; a PNM with a comment (or 16 bits) is
+    Pillow's to read, with the same pixels."""
+    from kaisoku.data.loading.transforms import decode_image, raw_pixels
+
+    pixels = image_array(3)
+    commented = b"P6\n# made elsewhere\n24 20\n255\n" + pixels.tobytes()
+    assert raw_pixels(commented) is None
+    assert np.array_equal(decode_image(commented), pixels)
+    truncated = b"P6\n24 20\n255\n" + pixels.tobytes()[:-5]
+    assert raw_pixels(truncated) is None
+    with pytest.raises(KaisokuError, match="cannot decode image"):
+        decode_image(truncated)
+
+
+def test_an_image_that_cannot_be_recoded_is_named_in_one_line_or_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An image that passes the JPEG check but that Pillow refuses to open for re-encoding (here: over a
+    lowered decompression-bomb limit) stops the pack naming the file, or is skipped with skip_corrupt."""
+    from kaisoku.data.shards.recode import ImageRecode
+
+    for name in CLASSES[:2]:
+        (tmp_path / "src" / name).mkdir(parents=True)
+        (tmp_path / "src" / name / "a.jpg").write_bytes(simplejpeg.encode_jpeg(image_array(1)))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 20 x 24 = 480 pixels: over twice the limit
+    recode = ImageRecode(quality=0, raw_side=64)
+    with pytest.raises(KaisokuError, match=r"^cannot re-encode image .*a\.jpg: .*--skip-corrupt") as error:
+        pack(tmp_path / "src", tmp_path / "dst", workers=0, progress=False, recode=recode)
+    assert "\n" not in str(error.value)
+    small = tmp_path / "src" / CLASSES[2] / "small.jpg"  # 8 x 8 = 64 pixels: under the limit
+    small.parent.mkdir()
+    small.write_bytes(simplejpeg.encode_jpeg(image_array(2, height=8, width=8)))
+    index = pack(
+        tmp_path / "src", tmp_path / "dst2", workers=0, progress=False, recode=recode, skip_corrupt=True
+    )
+    assert sorted(index.skipped) == [f"{CLASSES[0]}/a.jpg", f"{CLASSES[1]}/a.jpg"] and index.num_samples == 1

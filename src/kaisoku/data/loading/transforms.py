@@ -78,7 +78,7 @@ def decode_image(data: bytes | bytearray | memoryview, *, name: str = "", min_si
     """Decode encoded image bytes to an HWC uint8 RGB array.
 
     JPEG goes through simplejpeg (libjpeg-turbo); PNG and every other format, and the rare JPEG
-    that simplejpeg refuses (CMYK, lossless), go through Pillow. Grayscale and palette images come
+    that simplejpeg refuses (lossless, damaged), go through Pillow. Grayscale and palette images come
     back with 3 channels. ``name`` (a file or record) is named in the error raised for bytes that
     cannot be decoded. ``min_side`` > 0 lets simplejpeg decode a JPEG at a reduced DCT scale (1/2,
     1/4, 1/8) as long as both sides stay >= ``min_side``: much faster for large photos that are

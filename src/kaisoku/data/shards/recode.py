@@ -32,9 +32,13 @@ class ImageRecode:
 
     def __post_init__(self) -> None:
         if not 0 <= self.quality <= 100:
-            raise ValueError(f"JPEG quality {self.quality} is outside 1..100")
+            raise ValueError(f"JPEG quality {self.quality} is outside 0..100 (0: keep the source's bytes)")
         if self.quality == 0 and self.max_side:
             raise ValueError("a max side needs a JPEG quality to re-encode the images it resizes")
+        if self.quality == 0 and not self.raw_side:
+            raise ValueError(
+                "JPEG quality 0 keeps the source's bytes: give a raw side, or nothing is recoded"
+            )
         if self.subsampling not in SUBSAMPLINGS:
             raise ValueError(f"JPEG subsampling {self.subsampling} is not one of {', '.join(SUBSAMPLINGS)}")
         if self.max_side < 0:

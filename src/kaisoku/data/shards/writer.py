@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from kaisoku.data.shards.codecs import get_codec
 from kaisoku.data.shards.destination import (
@@ -138,7 +139,16 @@ def _pack_folder_shard(task: _FolderTask) -> _ShardResult:
                 continue
             raise KaisokuError(problem)
         if task.recode is not None:
-            data = task.recode(data)
+            try:
+                data = task.recode(data)
+            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
+                if task.skip_corrupt:
+                    skipped.append(relative)
+                    continue
+                raise KaisokuError(
+                    f"cannot re-encode image {task.root / relative}: {error}; "
+                    "re-encode or remove it, or pack with --skip-corrupt to leave it out"
+                ) from None
         record, _ = encoder.encode({"image": data, "label": label})
         records.append(record)
         labels.append(label)
