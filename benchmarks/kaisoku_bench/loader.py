@@ -406,6 +406,13 @@ def _raw_pixel_goals(
     }
 
 
+_FFCV_DECODERS = {
+    "ffcv": "libjpeg-turbo (FFCV, re-encoded q90)",
+    "ffcv-raw": "raw pixels (FFCV, write_mode raw)",
+}
+"""What each FFCV row decodes with, as the table says."""
+
+
 def _ffcv_epoch(ffcv: loader_peers.FFCVRow, record: _RowRecord, size: int) -> float:
     """One epoch of an FFCV row; its samples, CPU and batch shape recorded in ``record``."""
     samples, seconds, cpu = ffcv.epoch()
@@ -428,18 +435,16 @@ def _part_a_set(
     rows: list[dict[str, Any]] = []
     epochs = iter(range(1, 10**6))
     transform = row_set.transform
-    own_pack = own_format_pack(image_set)
-    packs = {"kaisoku": image_set.pack_dir, "kaisoku-own-format": own_pack}
+    # kaisoku on its own preferred format, as FFCV's row reads FFCV's re-encoded file (and, for tiny images,
+    # on raw pixels, as FFCV's raw row reads them)
+    packs = {"kaisoku": image_set.pack_dir, "kaisoku-own-format": own_format_pack(image_set)}
     if row_set.raw:
         packs["kaisoku-raw"] = raw_pixel_pack(image_set)
     kaisoku_rows = {
         "kaisoku": production_loader(image_set.pack_dir, transform),  # data.loader batch, the default
         "kaisoku-per-sample": production_loader(image_set.pack_dir, transform, batch_path="threads"),
-        # kaisoku on its own preferred format, as FFCV's row reads FFCV's re-encoded file
-        "kaisoku-own-format": production_loader(own_pack, transform),
+        **{name: production_loader(packs[name], transform) for name in packs if name != "kaisoku"},
     }
-    if row_set.raw:  # raw pixels, as FFCV's raw row reads them
-        kaisoku_rows["kaisoku-raw"] = production_loader(packs["kaisoku-raw"], transform)
     if torch.cuda.is_available():  # data.decode gpu: the same set decoded on the device
         gpu_loader = gpu_decode_loader(image_set.pack_dir, transform)
         records["kaisoku-gpu-decode"] = _RowRecord("kaisoku-gpu-decode", "nvJPEG (torchvision, batched)", [])
@@ -497,8 +502,7 @@ def _part_a_set(
         except loader_peers.PeerMissing as missing:
             rows.append({"part": "a", "size": row_set.name, "row": ffcv_name, "skipped": str(missing)})
             continue
-        decoder = "raw pixels (FFCV, write_mode raw)" if ffcv_name == "ffcv-raw" else ""
-        records[ffcv_name] = _RowRecord(ffcv_name, decoder or "libjpeg-turbo (FFCV, re-encoded q90)", [])
+        records[ffcv_name] = _RowRecord(ffcv_name, _FFCV_DECODERS[ffcv_name], [])
         runs[ffcv_name] = functools.partial(_ffcv_epoch, ffcv, records[ffcv_name], size)
         peers.append(loader_peers.PeerLoader(ffcv_name, ffcv_name, lambda: [], close=ffcv.close))
     blobs = [loader_peers.read_bytes(path) for path, _ in image_set.shuffled_files()]

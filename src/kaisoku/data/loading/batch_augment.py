@@ -217,7 +217,8 @@ def decode_batch_into(
             continue
         slot = slots[n]
         if in_place and not in_slot and flip and cv2 is not None:
-            cv2.flip(image, 1, dst=slot)  # raw pixels at the output size: mirrored as they are copied
+            # Decoded already (raw pixels, a PNG) at the output's size: mirrored as it is copied.
+            cv2.flip(image, 1, dst=slot)
             continue
         if not in_slot:
             _resize_box(image, tuple(box), spec.size, out=slot)
