@@ -164,7 +164,7 @@ def production_loader(
     batch_path: str = "batch",
 ) -> ShardLoader:
     """The :class:`ShardLoader` ``kaisoku train`` builds for a run on ``pack_dir`` (one rank, global shuffle,
-    batch :data:`BATCH`, ``workers`` decoding threads, ``batch_path`` as ``data.loader``), from a config
+    batch :data:`BATCH`, ``workers`` decoding workers (processes on the batch path, threads on ``threads``), ``batch_path`` as ``data.loader``), from a config
     through the training builder (:func:`kaisoku.engine.data_build.shard_loader`), over a dataset with
     ``transform``."""
     cfg = Config()

@@ -462,7 +462,7 @@ def _part_a_set(
 
     def first_epoch() -> float:
         """The first epoch of a loader built as ``kaisoku train`` builds it, afresh (its dataset's shards
-        opened, its threads started and its batch ring allocated within the epoch)."""
+        opened, its decoding workers started and its batch ring allocated within the epoch)."""
         fresh = production_loader(image_set.pack_dir, transform)
         try:
             return _time_epoch(epoch_of(fresh, next(epochs)), records["kaisoku-first-epoch"], size)
@@ -634,9 +634,9 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     notes.append(
         "samples/s is the steady state: the median of the interleaved epochs after each row's first, whose "
         "rate is first_epoch_samples_per_s (start-up; kaisoku compiles nothing, so its first epoch runs at "
-        "speed apart from starting its threads). kaisoku's rows are the ShardLoader kaisoku train builds "
-        "(engine.data_build.shard_loader from a Config: global shuffle, batch 256, 2 decoding threads "
-        "writing into reused batch buffers). The limit is single-thread in-process decode + augment over "
+        "speed apart from starting its workers). kaisoku's rows are the ShardLoader kaisoku train builds "
+        "(engine.data_build.shard_loader from a Config: global shuffle, batch 256, 2 decoding worker "
+        "processes, kept across epochs, writing whole batches into shared batch buffers). The limit is single-thread in-process decode + augment over "
         "the bytes in memory, times the cores. On a machine shared with other jobs wall-clock rates "
         "measure the CPU share each row gets; cpu_us_per_sample is recorded beside them."
     )

@@ -56,7 +56,7 @@ class DataConfig:
     global_batch: int = 128
     """Samples per optimizer step over all ranks; stays fixed whatever the world size."""
     workers: int = 1
-    """Decoding workers per rank: threads for packed data with data.loader batch or threads (at least 1), else DataLoader worker processes (0 decodes in the training process)."""
+    """Decoding workers per rank: worker processes kept for the whole run for packed data with data.loader batch (0: one thread of the training process decodes), threads with data.loader threads (at least 1), DataLoader worker processes otherwise (0 decodes in the training process)."""
     val_fraction: float = 0.1
     """Fraction of a class-folder dataset held out for validation when it has no val/ split."""
     shuffle: Literal["global", "block", "partial"] = "global"
@@ -78,7 +78,7 @@ class DataConfig:
     skip_corrupt: bool = False
     """Packed data: skip (and count) damaged records instead of stopping with an error naming them."""
     loader: Literal["batch", "threads", "processes"] = "batch"
-    """Packed data: how batches are made: batch (data.workers threads, at least 1, each decoding a chunk of the batch in one call without the GIL into reused batch buffers; the fastest), threads (the same threads, sample by sample) or processes (a DataLoader with data.workers worker processes); all three give the same batches."""
+    """Packed data: how batches are made: batch (data.workers worker processes, started once and kept across epochs, each decoding whole batches in one call into batch buffers in shared memory, so that no core waits for another's Python; the fastest), threads (data.workers threads of the training process, at least 1, sample by sample into reused buffers) or processes (a DataLoader with data.workers worker processes, started each epoch, collating samples); all three give the same batches."""
     decode: Literal["cpu", "gpu"] = "cpu"
     """Packed JPEG data: where training images are decoded: cpu (the host, by data.loader) or gpu (the training device: data.workers threads only read records and draw the keyed crops, the CUDA device decodes each batch in one nvJPEG call and crops, resizes and flips there; same crops and flips, pixels within a few levels of the host path's). Without a CUDA device gpu decodes on the host, after one line."""
 

@@ -4,6 +4,8 @@ the same batches for any thread count."""
 from __future__ import annotations
 
 import io
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -31,9 +33,11 @@ from kaisoku.data.loading.transforms import (
     resizer,
 )
 from kaisoku.data.order.shuffle import ShuffleSpec
-from kaisoku.data.shards.format import read_index
+from kaisoku.data.shards.format import Field, read_index
 from kaisoku.data.shards.recode import ImageRecode, raw_pixel_bytes
+from kaisoku.data.shards.records import RecordCodec
 from kaisoku.data.shards.writer import pack
+from kaisoku.errors import KaisokuError
 from tests.data.loading.test_batches import _received_half
 
 SPECS = [
@@ -249,3 +253,41 @@ def test_single_channel_data_reads_sample_by_sample_on_the_batch_path(
     assert batch and batch[0][0].shape[1] == 1
     for (a, la), (b, lb) in zip(batch, threads, strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+def test_a_record_that_passes_its_checksum_but_does_not_parse_is_named_on_the_batch_path(
+    packed: Path,
+) -> None:
+    """The batch path reads records the short way; a record it cannot parse goes the checked way, which
+    names it (a record damaged before its checksum was taken, here its header's image length)."""
+    index = read_index(packed)
+    start = int(index.shards[0].offsets[1])
+    with open(index.shard_path(0), "r+b") as handle:
+        handle.seek(start)
+        handle.write((10**6).to_bytes(4, "little"))  # the image's stored length: past the record's end
+    transform = ImageLabelTransform(spec=AugmentSpec(size=8), seed=0)
+    out = np.zeros((4, 3, 8, 8), dtype=np.uint8)
+    for skip in (False, True):
+        dataset = ShardedDataset(packed, transform=transform, skip_corrupt=skip, check_files=False)
+        shard = dataset.index.shards[0]
+        end = int(shard.offsets[2])
+        crcs = np.array(shard.record_crc32)
+        crcs[1] = zlib.crc32(index.shard_path(0).read_bytes()[start:end])
+        object.__setattr__(shard, "record_crc32", crcs)  # the checksum of the damaged bytes
+        if skip:
+            labels = dataset.read_batch_into([(0, i) for i in range(4)], out)
+            assert labels[1] is None and None not in (labels[0], labels[2], labels[3])
+            assert dataset.skipped == 1
+        else:
+            with pytest.raises(KaisokuError, match=r"record 1 \(sample 1\) cannot be parsed"):
+                dataset.read_batch_into([(0, i) for i in range(4)], out)
+
+
+def test_the_record_codec_says_none_for_bytes_it_cannot_parse() -> None:
+    codec = RecordCodec([Field(name="image", kind="image"), Field(name="label", kind="int")], "raw")
+    record, _ = codec.encode({"image": b"\xff\xd8abc", "label": 7})
+    assert codec.decode_or_none(record) == {"image": b"\xff\xd8abc", "label": 7} == codec.decode(record)
+    for broken in (record[:-1], record + b"\x00", b"\x01"):
+        assert codec.decode_or_none(broken) is None
+        with pytest.raises((ValueError, struct.error)):
+            codec.decode(broken)

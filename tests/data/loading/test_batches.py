@@ -17,12 +17,15 @@ from kaisoku.data.loading.transforms import (
     augment_into,
     collate,
 )
+from kaisoku.data.loading.worker_batches import PREFETCH, ring_size
 from kaisoku.data.order.shuffle import ShuffleSpec
 from kaisoku.data.shards.format import read_index
 from kaisoku.errors import KaisokuError
 
 
-def _loader(packed: Path, *, path: str, workers: int, skip: bool = False, batch: int = 6) -> ShardLoader:
+def _loader(
+    packed: Path, *, path: str, workers: int, skip: bool = False, batch: int = 6, micro: int = 1
+) -> ShardLoader:
     dataset = ShardedDataset(
         packed,
         transform=ImageLabelTransform(spec=AugmentSpec(size=12, train=True, scale=(0.3, 1.0)), seed=5),
@@ -38,11 +41,12 @@ def _loader(packed: Path, *, path: str, workers: int, skip: bool = False, batch:
         shuffle=ShuffleSpec(),
         workers=workers,
         batch_path=path,
+        micro_batches=micro,
     )
 
 
-def _epoch(loader: ShardLoader, epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    loader.set_epoch(epoch)
+def _epoch(loader: ShardLoader, epoch: int, start_step: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    loader.set_epoch(epoch, start_step)
     return [(images.clone(), labels.clone()) for images, labels in loader]
 
 
@@ -103,11 +107,17 @@ def test_buffers_are_reused_and_damage_compacts_the_batch(packed: Path) -> None:
 def test_a_loader_keeps_its_ring_across_epochs_and_the_batches_held_from_the_last(
     packed: Path, path: str
 ) -> None:
-    """Epoch 2 decodes into the buffers epoch 1 used, going on round the ring from where epoch 1 stopped: the
-    last batch of epoch 1, still held, keeps its pixels for as long as a batch is the caller's. Its batches
-    are the ones a fresh loader makes."""
+    """Epoch 2 decodes into the buffers epoch 1 used (the batch path's worker processes, kept, into the same
+    shared ones), going on round the ring from where epoch 1 stopped: the last batch of epoch 1, still held,
+    keeps its pixels for as long as a batch is the caller's. Its batches are the ones a fresh loader makes."""
     loader = _loader(packed, path=path, workers=2, batch=3)
-    size = 2 * loader.sampler.micro_batches + 4  # the ring ShardLoader keeps: a step's micro-batches + 4
+    micro = loader.sampler.micro_batches
+    if path == "batch":  # worker processes: the batches sent ahead, a step's micro-batches and the last's, 1
+        size = ring_size(2, micro)
+        window = size - PREFETCH * 2 - 1
+    else:  # the threads' ring: a step's micro-batches + 4, two batches decoded ahead
+        size = 2 * micro + 4
+        window = size - 2 - 1
     loader.set_epoch(1)
     first = []
     for images, labels in loader:
@@ -117,7 +127,7 @@ def test_a_loader_keeps_its_ring_across_epochs_and_the_batches_held_from_the_las
     second = []
     for k, (images, labels) in enumerate(loader):
         second.append((images.data_ptr(), images.clone(), labels.clone()))
-        if k < size - 2 - 1:  # a batch is the caller's until ring size - prefetch (2) - 1 batches later
+        if k < window:  # a batch is the caller's until ring size - batches sent ahead - 1 batches later
             assert torch.equal(held, held_copy) and torch.equal(held_labels, held_labels_copy)
     slots = [(len(first) + k) % size for k in range(len(second))]
     reused = [
@@ -165,8 +175,8 @@ def _received_half(sampler: object, record_bytes: object, *, ranks_per_node: int
     return {i: record_bytes(i) for i in range(0, 21, 2)}  # type: ignore[operator]
 
 
-@pytest.mark.parametrize("path", ["threads", "processes"])
-def test_received_records_go_through_both_paths(packed: Path, ram_dir: Path, path: str) -> None:
+@pytest.mark.parametrize("path", ["batch", "threads", "processes"])
+def test_received_records_go_through_every_path(packed: Path, ram_dir: Path, path: str) -> None:
     reference = _epoch(_loader(packed, path="processes", workers=0), 0)
     loader = _loader(packed, path=path, workers=2)
     loader.cache_settings = type(loader.cache_settings)(ram_dir=str(ram_dir))

@@ -17,6 +17,8 @@ decodes them: a batch is bit-identical to the one the DataLoader path collates.
 from __future__ import annotations
 
 import contextlib
+import math
+import mmap
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -67,12 +69,15 @@ class BatchRing:
     holds from the previous epoch stay intact. ``pin_memory``: pinned buffers (where CUDA is present).
 
     The buffers are sized by the first samples read (their shape, dtype and target) and allocated on first
-    use; again only for a larger batch.
+    use; again only for a larger batch. ``shared``: the image buffers live in shared memory, so that worker
+    processes forked after they are allocated write into them (:mod:`~kaisoku.data.loading.worker_batches`);
+    such a ring is not pickled.
     """
 
-    def __init__(self, size: int, *, pin_memory: bool = False) -> None:
+    def __init__(self, size: int, *, pin_memory: bool = False, shared: bool = False) -> None:
         self.size = int(size)
         self.pin_memory = pin_memory and torch.cuda.is_available()
+        self.shared = shared
         self.shape: tuple[int, ...] | None = None
         """A sample's shape (None until the first sample is read)."""
         self.dtype = torch.uint8
@@ -101,13 +106,39 @@ class BatchRing:
 
     def take(self, batch: int) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
         """The next buffers (images, labels, kept flags) for a batch of ``batch`` samples."""
+        self.reserve(batch)
+        return self.buffers(self.claim())
+
+    def reserve(self, batch: int) -> None:
+        """Have buffers for batches of ``batch`` samples (allocated now if they are smaller or missing)."""
         assert self.shape is not None, "size_by() first"
         if not self._buffers or self._buffers[0][0].shape[0] < batch:
             self._allocate(batch, self.shape)
-        images, labels = self._buffers[self._slot]
-        kept = self._kept[self._slot]
-        self._slot = (self._slot + 1) % self.size
-        return images, labels, kept
+
+    @property
+    def capacity(self) -> int:
+        """Samples a buffer holds (0 before the first allocation)."""
+        return int(self._buffers[0][0].shape[0]) if self._buffers else 0
+
+    @property
+    def next_slot(self) -> int:
+        """The slot :meth:`claim` hands out next."""
+        return self._slot
+
+    def claim(self) -> int:
+        """The next slot, in turn."""
+        slot = self._slot
+        self._slot = (slot + 1) % self.size
+        return slot
+
+    def resume_after(self, slot: int) -> None:
+        """Hand out the slot after ``slot`` next (the slots claimed since were never filled, or are done)."""
+        self._slot = (slot + 1) % self.size
+
+    def buffers(self, slot: int) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+        """Slot ``slot``'s buffers: images, labels, kept flags."""
+        images, labels = self._buffers[slot]
+        return images, labels, self._kept[slot]
 
     def _allocate(self, batch: int, shape: tuple[int, ...]) -> None:
         self._buffers, self._kept = [], []
@@ -116,19 +147,56 @@ class BatchRing:
         # (``normalize``) lays the batch out as the model wants it.
         image_batch = self.dtype == torch.uint8 and len(shape) == 3 and shape[0] == 3
         for _ in range(self.size):
-            if image_batch:
-                channels, height, width = shape
-                images = torch.empty(
-                    (batch, height, width, channels), dtype=self.dtype, pin_memory=self.pin_memory
-                ).permute(0, 3, 1, 2)
+            stored = (batch, shape[1], shape[2], shape[0]) if image_batch else (batch, *shape)
+            if self.shared:
+                images = _shared_empty(stored, self.dtype, pin=self.pin_memory)
             else:
-                images = torch.empty((batch, *shape), dtype=self.dtype, pin_memory=self.pin_memory)
+                images = torch.empty(stored, dtype=self.dtype, pin_memory=self.pin_memory)
+            if image_batch:
+                images = images.permute(0, 3, 1, 2)
             if self.targets is None:
                 labels = np.empty(batch, dtype=np.int64)
             else:
                 labels = np.empty((batch, *self.targets.shape), dtype=self.targets.dtype)
             self._buffers.append((images, labels))
             self._kept.append(np.ones(batch, dtype=bool))
+
+
+def _shared_empty(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
+    """An uninitialised tensor in anonymous shared memory (``mmap`` of no file, ``MAP_SHARED``): processes
+    forked after it is made write into the same pages. Its pages are allocated as they are first written,
+    and it does not live in /dev/shm, so a container's small /dev/shm does not bound it. ``pin``:
+    page-locked where it lies (``cudaHostRegister``, CUDA's way for memory allocated elsewhere)."""
+    count = math.prod(shape)
+    nbytes = max(1, count * torch.empty((), dtype=dtype).element_size())
+    try:
+        region = mmap.mmap(-1, nbytes)
+    except OSError as error:
+        raise KaisokuError(
+            f"cannot map {nbytes / 2**20:.1f} MiB of shared memory for the loader's batch buffers "
+            f"({error.strerror or error}); lower data.global_batch or data.workers, or set data.loader threads"
+        ) from None
+    tensor = torch.frombuffer(region, dtype=dtype, count=count).view(shape)  # keeps ``region`` alive
+    if pin:
+        torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+    return tensor
+
+
+def finish_batch(
+    images: torch.Tensor, labels: np.ndarray, kept: np.ndarray | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A filled batch as the trainer receives it: the samples skipped as damaged (``kept`` False, or, for
+    integer labels without ``kept``, the label :data:`_SKIPPED`) left out, compacted into fresh tensors."""
+    if kept is None:
+        kept = labels != _SKIPPED
+    if not kept.all():
+        if not kept.any():
+            raise KaisokuError(
+                f"cannot make a batch of {len(labels)} samples: none left after skipping damaged records"
+            )
+        index = torch.from_numpy(np.flatnonzero(kept))
+        return images.index_select(0, index), torch.from_numpy(labels[kept].copy())
+    return images, torch.from_numpy(labels)
 
 
 class ThreadedBatches:
@@ -263,13 +331,4 @@ class ThreadedBatches:
         images, labels, futures, kept = entry
         for future in futures:
             Future.result(future)  # re-raises a decoding error with its own message
-        if kept is None:
-            kept = labels != _SKIPPED
-        if not kept.all():
-            if not kept.any():
-                raise KaisokuError(
-                    f"cannot make a batch of {len(labels)} samples: none left after skipping damaged records"
-                )
-            index = torch.from_numpy(np.flatnonzero(kept))
-            return images.index_select(0, index), torch.from_numpy(labels[kept].copy())
-        return images, torch.from_numpy(labels)
+        return finish_batch(images, labels, kept)

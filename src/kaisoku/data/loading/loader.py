@@ -28,6 +28,7 @@ from kaisoku.data.loading.counters import LoaderCounters
 from kaisoku.data.loading.dataset import ShardedDataset
 from kaisoku.data.loading.gpu_decode import EncodedBatch, EncodedBatches, decode_place
 from kaisoku.data.loading.transforms import collate
+from kaisoku.data.loading.worker_batches import WorkerBatches, ring_size
 from kaisoku.data.node_cache.cache import NodeCache
 from kaisoku.data.node_cache.staging import CacheSettings
 from kaisoku.data.node_cache.tier_dirs import auto_local_capacity
@@ -91,29 +92,45 @@ class _ExchangedSamples(Dataset):
 
 
 BATCH_PATHS = ("batch", "threads", "processes")
-"""How batches are made: threads decoding chunks of a batch in one call each into reused buffers, threads
-decoding sample by sample into them, or DataLoader worker processes."""
+"""How batches are made: worker processes kept across epochs, each decoding whole batches in one call into
+shared buffers (one thread of the training process without workers); threads decoding sample by sample
+into reused buffers; or DataLoader worker processes collating samples."""
 
 
 class _ForTheirStep:
     """The packed loader's read context: each micro-batch's reads inside the node cache's
     :meth:`~kaisoku.data.node_cache.cache.NodeCache.reading_for` its step, since its threads and workers
-    read ahead of what training has received; :meth:`withdraw` takes the steps back once the batches are
-    dropped. Its flag is a process-shared one: DataLoader workers read too."""
+    read ahead of what training has received; :meth:`withdraw` takes a pass's steps back once its batches
+    are dropped. Its count of withdrawn passes is process-shared: worker processes read too, and those of
+    the batch path outlive a pass."""
 
     def __init__(self, cache: NodeCache) -> None:
         self.cache = cache
-        self.stop = multiprocessing.Event()
+        self.withdrawn = multiprocessing.Value("q", 0, lock=False)
+        """Passes ``0 .. withdrawn - 1`` are dropped (written by the training process only)."""
 
-    def withdraw(self) -> None:
-        """The batches are dropped: a read waiting for progress that training will now never report gives up."""
-        self.stop.set()
+    def withdraw(self, loader_pass: int) -> None:
+        """Pass ``loader_pass``'s batches are dropped: a read for it waiting for progress that training will
+        now never report gives up."""
+        self.withdrawn.value = max(self.withdrawn.value, loader_pass + 1)
 
     def __call__(self, keys: Sequence[Key]) -> contextlib.AbstractContextManager[object]:
         """The context for reading ``keys`` (a :class:`StepKeys`; anything else needs none)."""
         if not isinstance(keys, StepKeys):
             return contextlib.nullcontext()
-        return self.cache.reading_for(keys.epoch, keys.step, self.stop)
+        return self.cache.reading_for(keys.epoch, keys.step, _Withdrawn(self.withdrawn, keys.loader_pass))
+
+
+class _Withdrawn:
+    """The node cache's stop flag for one pass's reads: set once that pass is withdrawn."""
+
+    def __init__(self, withdrawn: Any, loader_pass: int) -> None:
+        self.withdrawn = withdrawn
+        self.loader_pass = loader_pass
+
+    def is_set(self) -> bool:
+        """True once the pass's batches are dropped."""
+        return bool(self.withdrawn.value > self.loader_pass)
 
 
 class _ReadsForTheirStep(Dataset):
@@ -139,13 +156,14 @@ class _ReadsForTheirStep(Dataset):
 class ShardLoader:
     """A rank's training batches over a packed dataset, epoch after epoch, resumable exactly.
 
-    ``batch_path`` ``batch`` (the default, the fastest): ``max(1, workers)`` threads of this process each
-    decode a chunk of the batch in one call (:mod:`~kaisoku.data.loading.batch_augment`: crops drawn for the
-    chunk at once, the fastest installed resizer) into reused batch buffers; ``threads``: the same threads,
-    sample by sample (:class:`~kaisoku.data.loading.batches.ThreadedBatches`); ``processes``: a DataLoader
-    with ``workers`` worker processes. ``threads`` and ``processes`` give bit-identical batches; ``batch``
-    the same crops and flips, pixels within
-    :data:`~kaisoku.data.loading.batch_augment.BATCH_PIXEL_TOLERANCE` (identical without OpenCV).
+    ``batch_path`` ``batch`` (the default, the fastest): ``workers`` worker processes, kept across epochs,
+    each decode whole batches in one call (:mod:`~kaisoku.data.loading.batch_augment`: crops drawn for the
+    batch at once, the fastest installed resizer) into batch buffers in shared memory
+    (:mod:`~kaisoku.data.loading.worker_batches`); without workers one thread of this process does;
+    ``threads``: ``max(1, workers)`` threads of this process, sample by sample, into reused batch buffers
+    (:class:`~kaisoku.data.loading.batches.ThreadedBatches`); ``processes``: a DataLoader with ``workers``
+    worker processes collating samples. All three give the same batches (``batch`` within
+    :data:`~kaisoku.data.loading.batch_augment.BATCH_PIXEL_TOLERANCE`; bit for bit today).
 
     ``decode`` ``gpu`` (on a CUDA ``device``; the host path after one line elsewhere, see
     :func:`~kaisoku.data.loading.gpu_decode.decode_place`): the threads only read records and draw the
@@ -198,6 +216,9 @@ class ShardLoader:
         self.cache: NodeCache | None = None
         self._received: RecordStore | None = None
         self._ring: BatchRing | None = None  # the thread paths' batch buffers
+        self._workers: WorkerBatches | None = None  # the batch path's worker processes and shared buffers
+        self._reads: _ForTheirStep | None = None  # the read context of every pass over the node cache
+        self._passes = 0  # passes over the data begun (the keys of each carry its number)
         self._consumed_steps = 0
         self.last_quality: float | None = None
         if dataset.source.counters is None:  # a dataset built without its loader's counters counts here
@@ -273,20 +294,31 @@ class ShardLoader:
         samples: Any = self.dataset
         if self._received is not None:
             samples = _ExchangedSamples(self.dataset, self._received, epoch)
-        for_their_step = None if self.cache is None else _ForTheirStep(self.cache)
+        loader_pass, self._passes = self._passes, self._passes + 1
+        keyed = KeyedMicroBatches(self.sampler, loader_pass=loader_pass)
+        if self.cache is not None and (self._reads is None or self._reads.cache is not self.cache):
+            self._reads = _ForTheirStep(self.cache)
+        for_their_step = self._reads if self.cache is not None else None
         reads = no_read_context if for_their_step is None else for_their_step
         loader: Any
         if self.decode == "gpu":
-            loader = EncodedBatches(
-                samples, KeyedMicroBatches(self.sampler), threads=max(1, self.workers), read_context=reads
-            )
+            loader = EncodedBatches(samples, keyed, threads=max(1, self.workers), read_context=reads)
+        elif self.batch_path == "batch" and self.workers > 0:
+            if self._workers is None:
+                ring = BatchRing(
+                    ring_size(self.workers, self.sampler.micro_batches),
+                    pin_memory=self.pin_memory,
+                    shared=True,
+                )
+                self._workers = WorkerBatches(self.workers, ring)
+            loader = self._workers.pass_over(samples, keyed, reads)
         elif self.batch_path in ("batch", "threads"):
             if self._ring is None:  # one for every epoch: allocated, pinned and paged in once
                 # The trainer holds a step's micro-batches; plus the prefetched ones.
                 self._ring = BatchRing(2 * self.sampler.micro_batches + 4, pin_memory=self.pin_memory)
             loader = ThreadedBatches(
                 samples,
-                KeyedMicroBatches(self.sampler),
+                keyed,
                 threads=max(1, self.workers),
                 prefetch=2,
                 ring=self._ring,
@@ -296,7 +328,7 @@ class ShardLoader:
         else:
             loader = DataLoader(
                 samples if for_their_step is None else _ReadsForTheirStep(samples, for_their_step),
-                batch_sampler=KeyedMicroBatches(self.sampler),
+                batch_sampler=keyed,
                 num_workers=self.workers,
                 collate_fn=collate,
                 pin_memory=self.pin_memory,
@@ -316,7 +348,7 @@ class ShardLoader:
                 yield batch
         finally:
             if for_their_step is not None:  # before the readers shut down (the trainer dropped the batches)
-                for_their_step.withdraw()
+                for_their_step.withdraw(loader_pass)
 
     def quality(self, epoch: int) -> float:
         """The shuffle-quality score of ``epoch``'s global order at the global batch (1 random, 0 sequential)."""
@@ -404,7 +436,10 @@ class ShardLoader:
             self._received = None
 
     def close(self) -> None:
-        """Stop staging and delete staged files (call on every rank of a node after a barrier)."""
+        """Stop the batch path's workers, stop staging and delete staged files (call on every rank of a node
+        after a barrier)."""
+        if self._workers is not None:
+            self._workers.close()
         self._drop_received()
         if self.cache is not None:
             self.cache.close()

@@ -20,7 +20,6 @@ import logging
 import os
 import threading
 import time
-import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +38,7 @@ from kaisoku.data.node_cache.staging import (
     Trace,
     plan_staging,
 )
+from kaisoku.data.shards.checksum import crc32
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def file_crc32(path: Path) -> int:
     crc = 0
     with open(path, "rb") as handle:
         while chunk := handle.read(8 << 20):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
     return crc
 
 

@@ -359,21 +359,24 @@ def folder_state(state: dict[str, Any], world_size: int) -> dict[str, Any]:
 
 class StepKeys(list[tuple[int, int]]):
     """A micro-batch's ``(epoch, index)`` keys, with the epoch and the rank's optimizer step they are read
-    for (a plain list to every reader; the node cache's planned loads are keyed by that step)."""
+    for (a plain list to every reader; the node cache's planned loads are keyed by that step), and the
+    loader pass that asked for them (a loader whose workers outlive a pass withdraws its reads by pass)."""
 
-    def __init__(self, keys: list[tuple[int, int]], *, epoch: int, step: int) -> None:
+    def __init__(self, keys: list[tuple[int, int]], *, epoch: int, step: int, loader_pass: int = 0) -> None:
         super().__init__(keys)
         self.epoch = epoch
         self.step = step
+        self.loader_pass = loader_pass
 
 
 class KeyedMicroBatches:
     """A DataLoader ``batch_sampler`` over an :class:`EpochSampler`: each rank batch of the current epoch
     cut into ``sampler.micro_batches`` equal parts of ``(epoch, index)`` keys (augmentation is keyed by
-    both), each a :class:`StepKeys` naming its step."""
+    both), each a :class:`StepKeys` naming its step and ``loader_pass``."""
 
-    def __init__(self, sampler: EpochSampler) -> None:
+    def __init__(self, sampler: EpochSampler, *, loader_pass: int = 0) -> None:
         self.sampler = sampler
+        self.loader_pass = loader_pass
 
     def __len__(self) -> int:
         return len(self.sampler) * self.sampler.micro_batches
@@ -386,4 +389,4 @@ class KeyedMicroBatches:
             size = len(batch) // micro
             for k in range(micro):
                 keys = [(epoch, i) for i in batch[k * size : (k + 1) * size]]
-                yield StepKeys(keys, epoch=epoch, step=start + n)
+                yield StepKeys(keys, epoch=epoch, step=start + n, loader_pass=self.loader_pass)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from kaisoku.data.shards.checksum import crc32
 from kaisoku.data.shards.codecs import codec_names
 from kaisoku.data.shards.index_checks import (
     check_int_columns,
@@ -482,8 +482,8 @@ def write_shard(directory: Path, shard_id: int, records: Sequence[bytes]) -> Sha
     with atomic_open(directory / name, "wb") as handle:
         for i, record in enumerate(records):
             handle.write(record)
-            record_crc[i] = zlib.crc32(record)
-            file_crc = zlib.crc32(record, file_crc)
+            record_crc[i] = crc32(record)
+            file_crc = crc32(record, file_crc)
             position += len(record)
             offsets[i + 1] = position
     return ShardInfo(

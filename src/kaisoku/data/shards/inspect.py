@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kaisoku.data.shards.checksum import crc32
 from kaisoku.data.shards.format import FORMAT_NAME, INDEX_NAME, Index, read_index, split_dirs
 from kaisoku.data.shards.records import CorruptRecordError, record_view
 from kaisoku.data.shards.tables import TABLES_NAME, tables_crc
@@ -72,7 +72,7 @@ def verify_shard(index: Index, shard_id: int, buffer: Any) -> tuple[list[str], i
                     f"{path}: record {record} (sample {first_sample + record}, "
                     f"bytes {start}..{end}): checksum mismatch"
                 )
-    if not problems and zlib.crc32(view) != shard.crc32:
+    if not problems and crc32(view) != shard.crc32:
         problems.append(f"{path}: whole-file checksum mismatch although every record passed")
     return problems, max(0, bad - _MAX_RECORD_PROBLEMS)
 

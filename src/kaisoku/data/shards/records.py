@@ -15,12 +15,12 @@ tampering.
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from kaisoku.data.shards.checksum import crc32
 from kaisoku.data.shards.codecs import get_codec
 from kaisoku.data.shards.format import Field, Index
 from kaisoku.errors import KaisokuError
@@ -53,6 +53,13 @@ class RecordCodec:
         get_codec(codec)  # fail early on an unavailable codec
         self._sized = [f for f in self.fields if f.kind != "int"]
         self._header = struct.Struct("<" + "I" * len(self._sized))
+        # What decoding does per field, worked out once: (name, kind, decompressed, dtype, shape).
+        self._plan = tuple(
+            (f.name, f.kind, f.compressed and codec != "raw", np.dtype(f.dtype) if f.kind == "array" else None,
+             tuple(f.shape or ()))
+            for f in self.fields
+        )  # fmt: skip
+        self._decompresses = any(decompressed for _, _, decompressed, _, _ in self._plan)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (RecordCodec, (self.fields, self.codec_name))
@@ -94,31 +101,39 @@ class RecordCodec:
         (no copy): for a caller that is done with them before it drops ``data``'s buffer. A view keeps
         that buffer (an mmap) alive, so a shard dropped by a cache meanwhile stays readable."""
         view = memoryview(data)
-        lengths = iter(self._header.unpack_from(view, 0))
+        lengths = self._header.unpack_from(view, 0)
         position = self._header.size
-        codec = get_codec(self.codec_name)
+        codec = get_codec(self.codec_name) if self._decompresses else None
         sample: dict[str, Any] = {}
-        for f in self.fields:
-            if f.kind == "int":
-                sample[f.name] = _I64.unpack_from(view, position)[0]
+        sized = 0
+        for name, kind, decompressed, dtype, shape in self._plan:
+            if kind == "int":
+                sample[name] = _I64.unpack_from(view, position)[0]
                 position += 8
                 continue
-            size = next(lengths)
+            size = lengths[sized]
+            sized += 1
             payload = view[position : position + size]
             if len(payload) != size:
                 raise ValueError("record shorter than its header says")
             position += size
-            raw = codec.decode(payload) if f.compressed and self.codec_name != "raw" else payload
-            if f.kind == "image" or f.kind == "bytes":
-                sample[f.name] = raw if views and isinstance(raw, memoryview) else bytes(raw)
-            elif f.kind == "str":
-                sample[f.name] = bytes(raw).decode("utf-8")
+            raw = codec.decode(payload) if decompressed and codec is not None else payload
+            if kind == "image" or kind == "bytes":
+                sample[name] = raw if views and isinstance(raw, memoryview) else bytes(raw)
+            elif kind == "str":
+                sample[name] = bytes(raw).decode("utf-8")
             else:
-                array = np.frombuffer(raw, dtype=np.dtype(f.dtype))
-                sample[f.name] = array.reshape(f.shape or ()).copy()
+                sample[name] = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
         if position != len(view):
             raise ValueError("record longer than its header says")
         return sample
+
+    def decode_or_none(self, data: bytes | memoryview, *, views: bool = False) -> dict[str, Any] | None:
+        """:meth:`decode`, or None for a record it cannot parse (the caller's checked path names it)."""
+        try:
+            return self.decode(data, views=views)
+        except Exception:  # any malformation: struct, codec and numpy errors alike
+            return None
 
 
 def _field_bytes(f: Field, value: Any) -> bytes:
@@ -191,7 +206,7 @@ def check_record(index: Index, data: bytes | memoryview, shard_id: int, record: 
 
 def _check_crc(index: Index, view: memoryview, shard_id: int, record: int) -> None:
     shard = index.shards[shard_id]
-    computed = zlib.crc32(view)
+    computed = crc32(view)
     if computed != int(shard.record_crc32[record]):
         raise CorruptRecordError(
             f"{index.root / shard.file} record {record} "

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import mmap
 import os
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kaisoku.data.shards.checksum import crc32
 from kaisoku.errors import KaisokuError
 from kaisoku.fsutil import atomic_open
 
@@ -78,7 +78,7 @@ def describe_tables(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
     entries, total = _layout(arrays)
     crc = 0
     for chunk in _chunks(arrays, entries):
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
     return {"file": TABLES_NAME, "bytes": total, "crc32": crc, "tables": entries}
 
 
@@ -90,7 +90,7 @@ def write_tables(directory: Path, arrays: Mapping[str, np.ndarray]) -> dict[str,
     with atomic_open(directory / TABLES_NAME, "wb") as handle:
         for chunk in _chunks(arrays, entries):
             handle.write(chunk)
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
     return {"file": TABLES_NAME, "bytes": total, "crc32": crc, "tables": entries}
 
 
@@ -133,7 +133,7 @@ def tables_crc(directory: Path, described: Mapping[str, Any]) -> int:
     crc = 0
     with open(directory / str(described.get("file", TABLES_NAME)), "rb") as handle:
         while chunk := handle.read(_CRC_CHUNK):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
     return crc
 
 

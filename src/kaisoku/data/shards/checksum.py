@@ -1,0 +1,20 @@
+"""CRC-32, the checksum of records and shard files: ISA-L's where it is installed, zlib's otherwise.
+
+Both give the same values (the CRC-32 of zlib, gzip and PNG). ISA-L's takes about a tenth of zlib's time
+(0.3 against 3.0 us on a 12 KB record, measured on the benchmark machine): on raw-pixel records the check
+was a fifth of a sample's time. It is a core dependency where its wheels exist (x86-64 and 64-bit Arm).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+try:
+    from isal.isal_zlib import crc32 as _isal_crc32
+except ImportError:  # a platform without ISA-L's wheels
+    _isal_crc32 = None
+
+crc32: Callable[..., int] = _isal_crc32 if _isal_crc32 is not None else zlib.crc32
+"""``crc32(data, value=0)``: the CRC-32 of ``data`` (any buffer), continuing from ``value``, as
+``zlib.crc32``."""
