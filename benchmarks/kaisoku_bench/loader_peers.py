@@ -23,11 +23,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import simplejpeg
 import torch
 from torch.utils.data import DataLoader
 
 from kaisoku_bench.common import python_path
+
+try:  # FFCV's rows run this module in FFCV's own venv, which need not have simplejpeg (only the in-process peer rows use it)
+    import simplejpeg
+except ImportError:
+    simplejpeg = None  # type: ignore[assignment]
 
 PEERS = ("imagefolder-pil", "imagefolder-simplejpeg", "webdataset", "mds", "litdata", "spdl")
 """Peer row names, in table order."""
