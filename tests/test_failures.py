@@ -226,3 +226,30 @@ def test_a_signal_to_the_launcher_checkpoints_its_step_and_the_rerun_ends_bit_id
     final = torch.load(run_dir / "checkpoints" / "step-00000030.pt", weights_only=True)["model"]
     assert final.keys() == uninterrupted.keys()
     assert all(torch.equal(final[key], uninterrupted[key]) for key in final)
+
+
+_EXIT_MARKING_MODEL = """
+import atexit, os
+from pathlib import Path
+from torch import nn
+
+
+def net(spec):
+    if "RANK" in os.environ:  # a rank (the launcher builds the model too, to try a step before launching)
+        marker = Path(os.environ["EXIT_MARKS"]) / f"rank-{os.environ['RANK']}"
+        atexit.register(marker.write_text, "ran")  # what a user's module (or the loader) leaves to the exit
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, getattr(spec, "num_classes", 0) or 10))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_finished_rank_runs_what_was_registered_for_its_exit(tmp_path: Path, packed: Path) -> None:
+    (tmp_path / "exit_marking.py").write_text(_EXIT_MARKING_MODEL)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    args = train_args(packed, tmp_path / "run", "--model.name", "exit_marking:net", "--max-steps", "2")
+    result = subprocess.run(
+        args, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=train_env(EXIT_MARKS=str(marks))
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in marks.iterdir()) == ["rank-0", "rank-1"]

@@ -134,6 +134,7 @@ def cmd_train(argv: Sequence[str]) -> int:
         return 0
     # start-up: the engine and the planner import torch's model and optimizer stacks, which --help skips
     from kaisoku.engine.build import user_parts
+    from kaisoku.engine.failures import leave_finished_rank
     from kaisoku.engine.run import run_training, train_on_local_ranks
     from kaisoku.engine.trial import trial_step
     from kaisoku.run_facts import plan_run, planned_world
@@ -151,6 +152,8 @@ def cmd_train(argv: Sequence[str]) -> int:
         return 0
     if inside_torchrun() or inside_slurm_step() or plan.world.world_size == 1:
         run_training(cfg, parts=parts, plan=plan)  # this process is the rank: nothing is loaded twice
+        if inside_torchrun() or inside_slurm_step():
+            leave_finished_rank()
         return 0
     return train_on_local_ranks(cfg, plan.world.ranks_per_node)
 

@@ -10,6 +10,7 @@ launcher (one process, or an outside torchrun or srun) the rank prints the two l
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 from kaisoku.data.node_cache.tier_dirs import NodeCacheError
 from kaisoku.distributed.launch import LAUNCHER_PID_ENV
@@ -357,6 +358,17 @@ def rank_failures(
         # Leave at once: gloo's and the loader's threads must not print or hang on the way out. A stop on a
         # signal leaves as a success, so that torchrun restarts nothing; the launcher reads the record.
         os._exit(0 if failure.kind == "signal" else failure.exit_code)
+
+
+def leave_finished_rank() -> NoReturn:
+    """End a rank process whose training finished: every function registered to run at exit runs (the
+    loader's workers are stopped, logs flushed), then the process leaves without tearing the interpreter
+    down. Torch's threads can abort that teardown ("terminate called without an active exception", seen
+    under load after a sharded run), which would turn a finished rank into one that died."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def write_record(run_dir: Path, failure: Failure) -> None:
