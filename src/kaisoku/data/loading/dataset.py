@@ -53,6 +53,13 @@ class SampleTransform(Protocol):
         ...
 
 
+def _tally(tally: dict[int, list[int]], shard_id: int, nbytes: int) -> None:
+    """Add one record of ``nbytes`` read from shard ``shard_id`` to ``tally``'s ``[bytes, records]``."""
+    counts = tally.setdefault(shard_id, [0, 0])
+    counts[0] += nbytes
+    counts[1] += 1
+
+
 class ShardedDataset(torch.utils.data.Dataset):
     """Map-style dataset over a packed directory: ``dataset[i]`` is sample ``i`` in packed order.
 
@@ -281,9 +288,7 @@ class ShardedDataset(torch.utils.data.Dataset):
         if data is None:
             data = self._record_view(shard_id, record)
             if tally is not None:
-                counts = tally.setdefault(shard_id, [0, 0])
-                counts[0] += len(data)
-                counts[1] += 1
+                _tally(tally, shard_id, len(data))
             elif self.source.counters is not None:
                 self._count_read(shard_id, len(data))
         elif self.verify:
@@ -305,6 +310,7 @@ class ShardedDataset(torch.utils.data.Dataset):
         buffers: dict[int, memoryview] = {}  # each shard's bytes, looked up once a batch
         for k, (shard_id, record) in enumerate(zip(shard_ids.tolist(), records.tolist(), strict=True)):
             data = datas[k] if datas else None
+            sample = None
             if data is None and self.verify and (shard_id in buffers or self._opens(shard_id, buffers)):
                 # The common case in a few lines (a sample's Python is what a small image's rate is made
                 # of): the record's bytes in place, its length and checksum, its fields as views. Anything
@@ -315,21 +321,17 @@ class ShardedDataset(torch.utils.data.Dataset):
                 if len(view) == end - start and crc32(view) == shard.record_crc32.item(record):
                     sample = self._codec.decode_or_none(view, views=True)
                     if sample is not None:
-                        counts = read.setdefault(shard_id, [0, 0])
-                        counts[0] += end - start
-                        counts[1] += 1
-                        samples.append(sample)
-                        rows.append(k)
-                        indices.append(self._starts_list[shard_id] + record)
-                        continue
-            try:
-                data = self._record_bytes(shard_id, record, datas[k] if datas else None, read)
-                # Views, not copies, of the encoded images: a chunk's records are decoded within this call,
-                # and copying them held a chunk of encoded bytes per thread (4.5 MB for 128 photos).
-                samples.append(self._parse(data, shard_id, record, views=True))
-            except CorruptRecordError as error:
-                self._skip(error)
-                continue
+                        _tally(read, shard_id, end - start)
+            if sample is None:
+                try:
+                    data = self._record_bytes(shard_id, record, data, read)
+                    # Views, not copies, of the encoded images: a chunk's records are decoded within this
+                    # call, and copying them held a chunk of encoded bytes per thread (4.5 MB for 128 photos).
+                    sample = self._parse(data, shard_id, record, views=True)
+                except CorruptRecordError as error:
+                    self._skip(error)
+                    continue
+            samples.append(sample)
             rows.append(k)
             indices.append(self._starts_list[shard_id] + record)
         if self.source.counters is not None:

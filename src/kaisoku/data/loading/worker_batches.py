@@ -161,11 +161,6 @@ def _close_all() -> None:
         batches.close()
 
 
-def _same(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
-    """The same objects, one by one (not merely equal ones)."""
-    return a[0] is b[0] and a[1] is b[1]
-
-
 def _as_is(batch: Any) -> Any:
     """The DataLoader's collate function: a task's result needs none."""
     return batch
@@ -222,11 +217,8 @@ class WorkerBatches:
             if len(first) > self.ring.capacity:
                 self.close()
                 self.ring.reserve(len(first))
-            if (
-                self._loader is None
-                or self._serving is None
-                or not _same(self._serving, (samples, read_context))
-            ):
+            serving = self._serving  # None exactly while no workers run (close() clears both)
+            if serving is None or serving[0] is not samples or serving[1] is not read_context:
                 self._start(samples, read_context)
             if self._last is not None:
                 self.ring.resume_after(self._last)
