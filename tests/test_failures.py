@@ -8,6 +8,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,34 @@ def test_a_finished_rank_runs_what_was_registered_for_its_exit(tmp_path: Path, p
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in marks.iterdir()) == ["rank-0", "rank-1"]
+
+
+_LAUNCHED_SCRIPT = """\
+import atexit, os, sys
+from pathlib import Path
+import kaisoku
+
+def main() -> None:
+    rank = os.environ["RANK"]
+    atexit.register(lambda: (Path(sys.argv[1]) / f"exit-{rank}").write_text("ran"))
+
+if __name__ == "__main__":
+    kaisoku.launch(main, nproc=2)
+    with (Path(sys.argv[1]) / "after-launch").open("a") as after:
+        after.write("once\\n")
+"""
+
+
+@pytest.mark.timeout(200)
+def test_launched_ranks_run_their_exit_functions_and_not_the_code_after_launch(tmp_path: Path) -> None:
+    script = tmp_path / "launched.py"
+    script.write_text(_LAUNCHED_SCRIPT)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    result = subprocess.run(
+        [sys.executable, str(script), str(marks)], cwd=tmp_path, capture_output=True, text=True, timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in marks.iterdir()) == ["after-launch", "exit-0", "exit-1"]
+    assert (marks / "after-launch").read_text() == "once\n"  # the calling process alone went on

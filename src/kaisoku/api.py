@@ -18,6 +18,7 @@ report) around the given parts, so they get every feature the zoo's models get.
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import time
@@ -31,6 +32,7 @@ from kaisoku.config import Config, validate
 from kaisoku.distributed.env import inside_slurm_step, inside_torchrun, planned_world_size, world_from_env
 from kaisoku.distributed.launch import launch_local
 from kaisoku.engine.build import user_parts
+from kaisoku.engine.failures import leave_finished_rank
 from kaisoku.engine.run import run_training
 from kaisoku.engine.trial import trial_step
 from kaisoku.engine.user_metrics import MetricsArg, named_metrics
@@ -42,6 +44,8 @@ from kaisoku.run_plan import WorldShape
 #: How long a rank that refuses silently waits for rank 0 (which says why) to exit first: the launcher
 #: (torchrun's agent, ``srun --kill-on-bad-exit``) stops it sooner; bounded for launchers that do not.
 _SILENT_RANK_WAIT_S = 60.0
+#: Set in the environment of the ranks :func:`launch` starts: such a rank leaves once ``main`` returns.
+_LAUNCHED_RANK_ENV = "KAISOKU_LAUNCHED_RANK"
 
 
 def fit(
@@ -131,6 +135,10 @@ def launch(main: Callable[[], Any], *, nproc: int = 0, max_restarts: int = 0) ->
     code (the rank printed why: one line for a known failure, e.g. code 2 for settings ``fit`` refuses), or
     with one line and code 1 when a signal killed it.
 
+    A rank this function started leaves once ``main`` returns (its exit functions run; the interpreter's
+    teardown, which torch's threads can abort under load, is skipped), so the code after ``launch`` runs
+    once, in the calling process, which gets None.
+
     Before ``main`` runs, every rank seeds torch's, NumPy's and Python's generators alike (with 0), so that
     data ``main`` builds with randomness (a random split, generated samples) is the same on every rank;
     ``fit`` checks that every rank holds the same dataset. Training's own randomness is keyed by
@@ -138,7 +146,10 @@ def launch(main: Callable[[], Any], *, nproc: int = 0, max_restarts: int = 0) ->
     """
     if inside_torchrun() or inside_slurm_step():
         seed_alike()
-        return main()
+        result = main()
+        if os.environ.get(_LAUNCHED_RANK_ENV) == "1":
+            leave_finished_rank()
+        return result
     ranks = planned_world_size(nproc)
     if ranks == 1:
         seed_alike()
@@ -147,7 +158,9 @@ def launch(main: Callable[[], Any], *, nproc: int = 0, max_restarts: int = 0) ->
         raise KaisokuError(
             "kaisoku.launch needs a script file to start on each rank; run it as python SCRIPT.py"
         )
-    result = launch_local([sys.argv[0], *sys.argv[1:]], nproc=ranks, max_restarts=max_restarts)
+    result = launch_local(
+        [sys.argv[0], *sys.argv[1:]], nproc=ranks, max_restarts=max_restarts, env={_LAUNCHED_RANK_ENV: "1"}
+    )
     if result.ok:
         return None
     if result.interrupted:
