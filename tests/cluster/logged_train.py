@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
     cfg, _ = resolve_config(argv)
     if inside_torchrun():
         run_training(cfg, customize=functools.partial(_log_ids, Path(cfg.run_dir).expanduser(), hold))
-        return 0
+        failures.leave_finished_rank()  # as kaisoku train's ranks leave
     return train_on_local_ranks(cfg, max(1, cfg.dist.nproc), rank_entry=[__file__, *own])
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kaisoku.cli import resolve_config
 from kaisoku.distributed.env import inside_torchrun
+from kaisoku.engine.failures import leave_finished_rank
 from kaisoku.engine.run import run_training, train_on_local_ranks
 from kaisoku.engine.trainer import Trainer
 
@@ -40,7 +41,7 @@ def main(argv: list[str]) -> int:
     cfg, _ = resolve_config(argv)
     if inside_torchrun():
         run_training(cfg, customize=_hook)
-        return 0
+        leave_finished_rank()  # as kaisoku train's ranks leave
     return train_on_local_ranks(cfg, cfg.dist.nproc, rank_entry=[__file__])
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -141,3 +142,23 @@ def test_workers_outlive_the_stop_signals_their_rank_handles_and_end_with_it(
     assert rank.returncode == 0, err  # a worker killed by either signal fails the rank's next batches
     samples = len(ShardedDataset(packed))
     assert int(out) == samples - samples % 2
+
+
+@pytest.mark.timeout(120)
+def test_the_first_samples_read_to_size_the_buffers_may_be_damaged_and_skipped(packed: Path) -> None:
+    index = read_index(packed)
+    loader = _loader(packed, path="batch", workers=2, skip=True)
+    loader.set_epoch(0)
+    first_two = [int(i) for i in next(iter(loader.sampler.batches(0, 0)))[:2]]
+    starts = np.cumsum([0] + [shard.samples for shard in index.shards])
+    for sample in first_two:  # the first batch's first two samples: read here, before the workers start
+        shard = int(np.searchsorted(starts, sample, side="right")) - 1
+        with open(index.shard_path(shard), "r+b") as handle:
+            handle.seek(int(index.shards[shard].offsets[sample - starts[shard]]) + 3)
+            handle.write(b"\xff\x00\xff")
+    got = _epoch(loader, 0)
+    reference = _epoch(_loader(packed, path="threads", workers=1, skip=True), 0)
+    assert _same(got, reference) and len(got[0][1]) == len(reference[1][1]) - 2  # both skipped
+    stats = loader.epoch_stats()
+    assert stats is not None and stats["skipped_records"] == 2  # counted once, here
+    loader.close()

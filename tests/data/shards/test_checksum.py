@@ -34,3 +34,12 @@ def test_isal_is_used_where_it_is_installed() -> None:
     from isal import isal_zlib
 
     assert checksum.crc32 is isal_zlib.crc32
+
+
+def test_a_files_crc32_is_zlibs_over_its_whole_bytes_across_read_chunks(tmp_path: Path) -> None:
+    data = np.random.default_rng(5).integers(0, 256, (8 << 20) + 4097, dtype=np.uint8).tobytes()  # 2 chunks
+    path = tmp_path / "shard.bin"
+    path.write_bytes(data)
+    assert checksum.file_crc32(path) == zlib.crc32(data)
+    (tmp_path / "empty.bin").write_bytes(b"")
+    assert checksum.file_crc32(tmp_path / "empty.bin") == 0

@@ -31,7 +31,9 @@ import torch
 from kaisoku.errors import KaisokuError
 
 Key = tuple[int, int]
-_SKIPPED = np.iinfo(np.int64).min  # the label slot of a sample skipped as damaged
+SKIPPED_LABEL = np.iinfo(np.int64).min
+"""The label slot of a sample skipped as damaged, in a batch whose labels are integers (left out of the
+batch handed to the trainer)."""
 
 ReadContext = Callable[[Sequence[Key]], contextlib.AbstractContextManager[object]]
 """Given a batch's keys, the context its reads run in, in the reading thread (the packed loader's says
@@ -186,9 +188,9 @@ def finish_batch(
     images: torch.Tensor, labels: np.ndarray, kept: np.ndarray | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A filled batch as the trainer receives it: the samples skipped as damaged (``kept`` False, or, for
-    integer labels without ``kept``, the label :data:`_SKIPPED`) left out, compacted into fresh tensors."""
+    integer labels without ``kept``, the label :data:`SKIPPED_LABEL`) left out, compacted into fresh tensors."""
     if kept is None:
-        kept = labels != _SKIPPED
+        kept = labels != SKIPPED_LABEL
     if not kept.all():
         if not kept.any():
             raise KaisokuError(
@@ -197,6 +199,19 @@ def finish_batch(
         index = torch.from_numpy(np.flatnonzero(kept))
         return images.index_select(0, index), torch.from_numpy(labels[kept].copy())
     return images, torch.from_numpy(labels)
+
+
+def first_samples(dataset: FillableDataset, keys: Sequence[Key]) -> list[tuple[Any, Any] | None]:
+    """``keys``' samples read the ordinary way up to the first one not skipped (None: skipped as damaged):
+    its shape sizes a ring's buffers."""
+    first: list[tuple[Any, Any] | None] = []
+    for key in keys:
+        first.append(dataset[key])
+        if first[-1] is not None:
+            return first
+    raise KaisokuError(
+        f"cannot make a batch of {len(keys)} samples: none left after skipping damaged records"
+    )
 
 
 class ThreadedBatches:
@@ -237,17 +252,6 @@ class ThreadedBatches:
                 f"a ring of {self.ring.size} buffers is too small for {self.prefetch} prefetched"
             )
 
-    def _first_samples(self, keys: Sequence[Key]) -> dict[int, tuple[np.ndarray, int] | None]:
-        """Samples read the ordinary way up to the first one not skipped: its shape sizes the buffers."""
-        first: dict[int, tuple[np.ndarray, int] | None] = {}
-        for j, key in enumerate(keys):
-            first[j] = self.dataset[key]
-            if first[j] is not None:
-                return first
-        raise KaisokuError(
-            f"cannot make a batch of {len(keys)} samples: none left after skipping damaged records"
-        )
-
     def _fill(
         self,
         images: np.ndarray,
@@ -266,13 +270,13 @@ class ThreadedBatches:
                     # A BatchFillableDataset: ``chunked`` checked it has the method.
                     dataset: Any = self.dataset
                     got = dataset.read_batch_into(keys[begin:end], images[begin:end])
-                    labels[begin:end] = [_SKIPPED if label is None else label for label in got]
+                    labels[begin:end] = [SKIPPED_LABEL if label is None else label for label in got]
                 return
             for j in range(part, len(keys), self.threads):
                 if j >= done:  # the first ``done`` samples were read while sizing the buffers
                     label = self.dataset.read_into(keys[j], images[j])
                     if not array_targets:
-                        labels[j] = _SKIPPED if label is None else label
+                        labels[j] = SKIPPED_LABEL if label is None else label
                     else:
                         kept[j] = label is not None
                         if label is not None:
@@ -282,7 +286,7 @@ class ThreadedBatches:
         first: dict[int, tuple[np.ndarray, int] | None] = {}
         if ring.shape is None:
             with self.read_context(keys):
-                first = self._first_samples(keys)
+                first = dict(enumerate(first_samples(self.dataset, keys)))
             ring.size_by(next(s for s in first.values() if s is not None))
         array_targets = ring.targets is not None
         images, labels, kept = ring.take(len(keys))
@@ -290,7 +294,7 @@ class ThreadedBatches:
         view = images.numpy()[: len(keys)]
         for j, sample in first.items():
             if not array_targets:
-                labels[j] = _SKIPPED if sample is None else sample[1]
+                labels[j] = SKIPPED_LABEL if sample is None else sample[1]
             else:
                 kept[j] = sample is not None
                 if sample is not None:

@@ -47,12 +47,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from kaisoku.data.loading.batches import (
-    _SKIPPED,
+    SKIPPED_LABEL,
     BatchRing,
     FillableDataset,
     ReadContext,
-    ThreadedBatches,
     finish_batch,
+    first_samples,
 )
 from kaisoku.distributed.launch import die_with_rank
 from kaisoku.errors import KaisokuError
@@ -68,13 +68,15 @@ def ring_size(workers: int, micro_batches: int) -> int:
 
 
 class _SlotKeys:
-    """A micro-batch's keys and the ring slot its samples go to: one DataLoader task."""
+    """A micro-batch's keys and the ring slot its samples go to: one DataLoader task. ``head``: the labels
+    of its first samples, read (and put into the slot) by the training process (None: skipped)."""
 
-    __slots__ = ("keys", "slot")
+    __slots__ = ("keys", "slot", "head")
 
-    def __init__(self, keys: Sequence[tuple[int, int]], slot: int) -> None:
+    def __init__(self, keys: Sequence[tuple[int, int]], slot: int, head: Sequence[Any] = ()) -> None:
         self.keys = keys
         self.slot = slot
+        self.head = head
 
 
 class _Failed:
@@ -104,6 +106,8 @@ class _Slotted:
     def __init__(self, ring: BatchRing) -> None:
         self.ring = ring
         self.batches: Iterator[Sequence[tuple[int, int]]] = iter(())
+        self.head: list[tuple[Any, Any] | None] = []
+        """The first batch's first samples, read in this process (what sized the ring)."""
 
     def __iter__(self) -> Iterator[_SlotKeys]:
         for keys in self.batches:
@@ -111,7 +115,13 @@ class _Slotted:
                 raise KaisokuError(
                     f"a batch of {len(keys)} samples outgrew the loader's buffers of {self.ring.capacity}"
                 )
-            yield _SlotKeys(keys, self.ring.claim())
+            slot = self.ring.claim()
+            head, self.head = self.head, []
+            images = self.ring.buffers(slot)[0].numpy()
+            for k, sample in enumerate(head):
+                if sample is not None:
+                    images[k] = sample[0]
+            yield _SlotKeys(keys, slot, [None if sample is None else sample[1] for sample in head])
 
 
 class _RingFiller(Dataset):
@@ -130,14 +140,20 @@ class _RingFiller(Dataset):
         return self.samples[key]
 
     def __getitems__(self, task: _SlotKeys) -> tuple[int, list[Any]] | _Failed:
-        """Decode ``task``'s samples into its slot; the slot and the labels (None: skipped as damaged)."""
-        images = self.ring.buffers(task.slot)[0].numpy()[: len(task.keys)]
+        """Decode ``task``'s samples (those after its head) into its slot; the slot and the labels (None:
+        skipped as damaged)."""
+        done = len(task.head)
+        images = self.ring.buffers(task.slot)[0].numpy()[done : len(task.keys)]
+        keys = task.keys[done:]
         read_batch_into = getattr(self.samples, "read_batch_into", None)
         try:
             with self.read_context(task.keys):
                 if read_batch_into is not None:
-                    return task.slot, read_batch_into(task.keys, images)
-                return task.slot, [self.samples.read_into(key, images[k]) for k, key in enumerate(task.keys)]
+                    return task.slot, [*task.head, *read_batch_into(keys, images)]
+                return task.slot, [
+                    *task.head,
+                    *(self.samples.read_into(key, images[k]) for k, key in enumerate(keys)),
+                ]
         except KaisokuError as error:  # the training process raises it (_Failed.raise_here)
             return _Failed(error)
 
@@ -172,7 +188,7 @@ class WorkerBatches:
     :meth:`pass_over` iterates one pass's ``(images, labels)``. The workers start on the first pass that
     needs them and are kept for the next ones; they start again when the samples or the read context differ
     from the previous pass's (the samples received from other nodes change each epoch), or when a batch
-    outgrows the buffers. The first batch ever is made here, in this process: its first samples size the
+    outgrows the buffers. The first sample ever is read here, in this process: it sizes the
     ring before the workers that share it start.
     """
 
@@ -196,24 +212,13 @@ class WorkerBatches:
         ``read_context(keys)``."""
         pending = iter(batches)
         first = next(pending, None)
-        made_here: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if first is not None and self.ring.shape is None:  # sized by the first samples, read here
-            slot = self.ring.next_slot
-            made_here = list(
-                ThreadedBatches(
-                    samples,
-                    [first],
-                    threads=1,
-                    prefetch=1,
-                    ring=self.ring,
-                    chunked=True,
-                    read_context=read_context,
-                )
-            )
-            self._last = slot
-            first = next(pending, None)
+        self._slotted.head = []
         results: Iterator[Any] = iter(())
         if first is not None:
+            if self.ring.shape is None:  # sized by the first sample, read here; its task carries it
+                with read_context(first):
+                    self._slotted.head = first_samples(samples, first)
+                self.ring.size_by(next(s for s in self._slotted.head if s is not None))
             if len(first) > self.ring.capacity:
                 self.close()
                 self.ring.reserve(len(first))
@@ -227,7 +232,6 @@ class WorkerBatches:
             # Before the first batch is handed over: the workers are forked (on a pass's first use) before
             # training runs a step of it, while no other thread of the rank is in Python.
             results = iter(self._loader)
-        yield from made_here
         for result in results:
             if isinstance(result, _Failed):
                 result.raise_here()
@@ -239,7 +243,7 @@ class WorkerBatches:
         images, labels, kept = self.ring.buffers(slot)
         count = len(got)
         if self.ring.targets is None:
-            labels[:count] = [_SKIPPED if label is None else label for label in got]
+            labels[:count] = [SKIPPED_LABEL if label is None else label for label in got]
             return finish_batch(images[:count], labels[:count], None)
         for k, label in enumerate(got):
             kept[k] = label is not None

@@ -9,7 +9,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kaisoku.data.node_cache.stager import file_crc32, staged_shard
+from kaisoku.data.node_cache.stager import staged_shard
+from kaisoku.data.shards.checksum import file_crc32
 
 # The node cache's logger: the message is the cache's, wherever the check runs.
 log = logging.getLogger("kaisoku.data.node_cache.cache")

@@ -38,7 +38,6 @@ from kaisoku.data.node_cache.staging import (
     Trace,
     plan_staging,
 )
-from kaisoku.data.shards.checksum import crc32
 
 log = logging.getLogger(__name__)
 
@@ -149,15 +148,6 @@ def staged_shard(name: str) -> int | None:
     if len(name) == 12 and name.startswith("shard-") and name[6:].isdigit():
         return int(name[6:])
     return None
-
-
-def file_crc32(path: Path) -> int:
-    """CRC32 of the file at ``path``, read in chunks."""
-    crc = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(8 << 20):
-            crc = crc32(chunk, crc)
-    return crc
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 
 try:
     from isal.isal_zlib import crc32 as _isal_crc32
@@ -18,3 +19,16 @@ except ImportError:  # a platform without ISA-L's wheels
 crc32: Callable[..., int] = _isal_crc32 if _isal_crc32 is not None else zlib.crc32
 """``crc32(data, value=0)``: the CRC-32 of ``data`` (any buffer), continuing from ``value``, as
 ``zlib.crc32``."""
+
+
+_FILE_CHUNK = 8 << 20
+"""Bytes read at a time by :func:`file_crc32`."""
+
+
+def file_crc32(path: Path) -> int:
+    """The CRC-32 of the file at ``path``, read in chunks."""
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_FILE_CHUNK):
+            crc = crc32(chunk, crc)
+    return crc

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kaisoku.data.shards.checksum import crc32
+from kaisoku.data.shards.checksum import crc32, file_crc32
 from kaisoku.errors import KaisokuError
 from kaisoku.fsutil import atomic_open
 
@@ -130,11 +130,7 @@ def map_tables(directory: Path, described: Mapping[str, Any], where: Path) -> di
 
 def tables_crc(directory: Path, described: Mapping[str, Any]) -> int:
     """CRC32 of the tables file as it is on disk (for ``kaisoku inspect --verify``)."""
-    crc = 0
-    with open(directory / str(described.get("file", TABLES_NAME)), "rb") as handle:
-        while chunk := handle.read(_CRC_CHUNK):
-            crc = crc32(chunk, crc)
-    return crc
+    return file_crc32(directory / str(described.get("file", TABLES_NAME)))
 
 
 def check_offsets(
