@@ -116,12 +116,15 @@ class _Slotted:
                     f"a batch of {len(keys)} samples outgrew the loader's buffers of {self.ring.capacity}"
                 )
             slot = self.ring.claim()
-            head, self.head = self.head, []
-            images = self.ring.buffers(slot)[0].numpy()
-            for k, sample in enumerate(head):
-                if sample is not None:
-                    images[k] = sample[0]
-            yield _SlotKeys(keys, slot, [None if sample is None else sample[1] for sample in head])
+            head_labels: list[Any] = []
+            if self.head:  # the pass's first batch only, once: no work on the others
+                images = self.ring.buffers(slot)[0].numpy()
+                for k, sample in enumerate(self.head):
+                    if sample is not None:
+                        images[k] = sample[0]
+                head_labels = [None if sample is None else sample[1] for sample in self.head]
+                self.head = []
+            yield _SlotKeys(keys, slot, head_labels)
 
 
 class _RingFiller(Dataset):
