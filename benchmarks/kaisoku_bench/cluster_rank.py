@@ -20,8 +20,7 @@ import time
 from kaisoku.config import Config, apply_mapping, load_toml, validate
 from kaisoku.distributed.env import inside_torchrun
 from kaisoku.distributed.launch import RendezvousTiming
-from kaisoku.engine.failures import leave_finished_rank
-from kaisoku.engine.run import run_training, train_on_local_ranks
+from kaisoku.engine.run import train_on_local_ranks, train_rank_then_leave
 from kaisoku.engine.trainer import Trainer
 
 HOLD_S = 300.0
@@ -72,8 +71,7 @@ def main(argv: list[str]) -> int:
     validate(cfg)
     if inside_torchrun():
         customize = functools.partial(hold_smaller_world, *hold) if hold is not None else None
-        run_training(cfg, customize=customize)
-        leave_finished_rank()  # as kaisoku train's ranks leave
+        train_rank_then_leave(cfg, customize=customize)
     return train_on_local_ranks(cfg, max(1, cfg.dist.nproc), rank_entry=["-m", MODULE, *own], timing=timing)
 
 

@@ -134,8 +134,7 @@ def cmd_train(argv: Sequence[str]) -> int:
         return 0
     # start-up: the engine and the planner import torch's model and optimizer stacks, which --help skips
     from kaisoku.engine.build import user_parts
-    from kaisoku.engine.failures import leave_finished_rank
-    from kaisoku.engine.run import run_training, train_on_local_ranks
+    from kaisoku.engine.run import run_training, train_on_local_ranks, train_rank_then_leave
     from kaisoku.engine.trial import trial_step
     from kaisoku.run_facts import plan_run, planned_world
 
@@ -150,10 +149,11 @@ def cmd_train(argv: Sequence[str]) -> int:
     if args.print_plan:
         print(plan.describe())
         return 0
-    if inside_torchrun() or inside_slurm_step() or plan.world.world_size == 1:
-        run_training(cfg, parts=parts, plan=plan)  # this process is the rank: nothing is loaded twice
-        if inside_torchrun() or inside_slurm_step():
-            leave_finished_rank()
+    # This process is the rank: nothing is loaded twice.
+    if inside_torchrun() or inside_slurm_step():
+        train_rank_then_leave(cfg, parts=parts, plan=plan)
+    if plan.world.world_size == 1:
+        run_training(cfg, parts=parts, plan=plan)
         return 0
     return train_on_local_ranks(cfg, plan.world.ranks_per_node)
 

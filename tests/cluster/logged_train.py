@@ -22,7 +22,7 @@ from kaisoku.cli import resolve_config
 from kaisoku.data.order.sampler import EpochSampler
 from kaisoku.distributed.env import inside_torchrun, world_from_env
 from kaisoku.engine import failures
-from kaisoku.engine.run import run_training, train_on_local_ranks
+from kaisoku.engine.run import train_on_local_ranks, train_rank_then_leave
 from kaisoku.engine.trainer import Trainer
 from kaisoku_bench.cluster_rank import hold_smaller_world, split_hold
 
@@ -54,8 +54,9 @@ def main(argv: list[str]) -> int:
     hold, own, argv = split_hold(argv)
     cfg, _ = resolve_config(argv)
     if inside_torchrun():
-        run_training(cfg, customize=functools.partial(_log_ids, Path(cfg.run_dir).expanduser(), hold))
-        failures.leave_finished_rank()  # as kaisoku train's ranks leave
+        train_rank_then_leave(
+            cfg, customize=functools.partial(_log_ids, Path(cfg.run_dir).expanduser(), hold)
+        )
     return train_on_local_ranks(cfg, max(1, cfg.dist.nproc), rank_entry=[__file__, *own])
 
 

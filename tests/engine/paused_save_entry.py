@@ -16,8 +16,7 @@ from pathlib import Path
 
 from kaisoku.cli import resolve_config
 from kaisoku.distributed.env import inside_torchrun
-from kaisoku.engine.failures import leave_finished_rank
-from kaisoku.engine.run import run_training, train_on_local_ranks
+from kaisoku.engine.run import train_on_local_ranks, train_rank_then_leave
 from kaisoku.engine.trainer import Trainer
 
 PAUSE_SECONDS = 120.0
@@ -40,8 +39,7 @@ def main(argv: list[str]) -> int:
     """Launch the ranks (outside torchrun) or train as one of them (inside)."""
     cfg, _ = resolve_config(argv)
     if inside_torchrun():
-        run_training(cfg, customize=_hook)
-        leave_finished_rank()  # as kaisoku train's ranks leave
+        train_rank_then_leave(cfg, customize=_hook)
     return train_on_local_ranks(cfg, cfg.dist.nproc, rank_entry=[__file__])
 
 

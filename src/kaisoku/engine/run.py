@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -228,6 +228,20 @@ def run_training(
         if lock is not None:
             lock.release()
     return summary
+
+
+def train_rank_then_leave(
+    cfg: Config,
+    *,
+    parts: UserParts | None = None,
+    plan: RunPlan | None = None,
+    customize: Callable[[Trainer], None] | None = None,
+) -> NoReturn:
+    """Train as one rank of a launched world (inside torchrun or a Slurm step), then leave as a finished
+    rank leaves (:func:`~kaisoku.engine.failures.leave_finished_rank`): what every rank that ``kaisoku
+    train`` starts runs. The arguments are :func:`run_training`'s."""
+    run_training(cfg, parts=parts, plan=plan, customize=customize)
+    failures.leave_finished_rank()
 
 
 def _record_world(trainer: Trainer, run_dir: Path, world: env.World, restart: int) -> None:
