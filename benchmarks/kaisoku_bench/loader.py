@@ -26,7 +26,7 @@ import torch
 from kaisoku.config import Config
 from kaisoku.data.loading.batch_augment import decode_batch_into
 from kaisoku.data.loading.dataset import ImageLabelTransform, ShardedDataset
-from kaisoku.data.loading.gpu_decode import decode_on_device, encode_batch
+from kaisoku.data.loading.gpu_decode import decode_on_device, encode_batch, jpeg_decoder_library
 from kaisoku.data.loading.loader import ShardLoader
 from kaisoku.data.loading.transforms import (
     augment,
@@ -38,7 +38,7 @@ from kaisoku.data.shards.format import read_index
 from kaisoku.distributed.env import World
 from kaisoku.engine.data_build import shard_loader
 from kaisoku.run_facts import plan_run
-from kaisoku_bench import loader_peers
+from kaisoku_bench import loader_peers, loader_profile
 from kaisoku_bench.common import goal, interleaved, median_iqr, process_table, record_and_show
 from kaisoku_bench.goals import paired_ratios
 from kaisoku_bench.imagesets import (
@@ -183,6 +183,9 @@ def part_a(row_sets: Sequence[RowSet], peer_dir: Path, *, warm_up: bool = True) 
         no_peer = f"no peer could run ({missing})"
         kaisoku = steady["kaisoku"]
         ffcv_missing = next((r["skipped"] for r in set_rows if r["row"] == "ffcv" and "skipped" in r), "")
+        profile = {
+            k: v for k, v in next(r for r in set_rows if r["part"] == "profile").items() if k.endswith("_us")
+        }
         summary[f"kaisoku_vs_ffcv_{name}"] = goal(
             kaisoku / steady["ffcv"] if "ffcv" in steady else None,
             ">= 1.3" if name == "imagenet-like" else ">= 1.0",
@@ -192,6 +195,7 @@ def part_a(row_sets: Sequence[RowSet], peer_dir: Path, *, warm_up: bool = True) 
             ffcv_first_epoch=next(
                 (r.get("first_epoch_samples_per_s") for r in set_rows if r["row"] == "ffcv"), None
             ),
+            profile_us=profile,
         )
         summary[f"kaisoku_own_format_vs_ffcv_{name}"] = goal(
             steady["kaisoku-own-format"] / steady["ffcv"] if "ffcv" in steady else None,
@@ -200,6 +204,7 @@ def part_a(row_sets: Sequence[RowSet], peer_dir: Path, *, warm_up: bool = True) 
             unit="rounds",
             reason=ffcv_missing,
             formats="each on its own: kaisoku's pack re-encoded q90 4:2:0, FFCV's .beton re-encoded q90",
+            profile_us=profile,
         )
         # No JIT or other warm-up to pay: each round, a loader built afresh times its first epoch, paired
         # with the steady row's epoch of the same round (interleaved, so the machine's drift cancels).
@@ -261,6 +266,7 @@ def part_a(row_sets: Sequence[RowSet], peer_dir: Path, *, warm_up: bool = True) 
             reason="" if best else no_peer,
             best_peer=best,
             peers_measured=sorted(peers),
+            profile_us=profile,
         )
         if best:
             notes.append(f"{name}: best peer {best} at {peers[best]:.0f} samples/s (steady state)")
@@ -447,7 +453,9 @@ def _part_a_set(
     }
     if torch.cuda.is_available():  # data.decode gpu: the same set decoded on the device
         gpu_loader = gpu_decode_loader(image_set.pack_dir, transform)
-        records["kaisoku-gpu-decode"] = _RowRecord("kaisoku-gpu-decode", "nvJPEG (torchvision, batched)", [])
+        records["kaisoku-gpu-decode"] = _RowRecord(
+            "kaisoku-gpu-decode", f"nvJPEG ({jpeg_decoder_library()}, batched)", []
+        )
         runs["kaisoku-gpu-decode"] = lambda: _time_epoch(
             _on_cuda(epoch_of(gpu_loader, next(epochs))), records["kaisoku-gpu-decode"], size
         )
@@ -559,6 +567,18 @@ def _part_a_set(
             largest, mean = batch_pixel_diff(image_set, transform)
             row["pixel_max_abs_diff_vs_batch"], row["pixel_mean_abs_diff_vs_batch"] = largest, round(mean, 4)
         rows.append(row)
+    # Where the microseconds go: the stages' own cost on one thread, beside each row's CPU per sample.
+    profile_epoch = next(epochs)
+    rows.append(
+        loader_profile.profile_row(
+            row_set.name,
+            loader_profile.stage_us(blobs, transform, profile_epoch),
+            loader_profile.stage_us(
+                loader_profile.pack_images(packs["kaisoku-own-format"], len(blobs)), transform, profile_epoch
+            ),
+            {r["row"]: r["cpu_us_per_sample"] for r in rows if "cpu_us_per_sample" in r},
+        )
+    )
     return rows, steady, {name: values[1:] for name, values in results.items()}
 
 
@@ -651,4 +671,6 @@ _COLUMNS = {
     "vs_limit": "vs limit", "cpu_us_per_sample": "CPU us/sample", "cpu_vs_limit": "CPU vs limit",
     "skipped": "skipped", "open_s": "open s", "private_bytes_per_record": "private B/record",
     "workers": "workers", "mib_per_worker": "MiB/worker",
+    "decoder_us": "decoder us", "batch_call_us": "batch call us",
+    "kaisoku_outside_stages_us": "kaisoku rest us", "ffcv_outside_stages_us": "FFCV rest us",
 }  # fmt: skip

@@ -20,6 +20,7 @@ from kaisoku.data.loading.gpu_decode import (
     decode_on_device,
     decode_place,
     encode_batch,
+    jpeg_decoder_library,
 )
 from kaisoku.data.loading.loader import ShardLoader
 from kaisoku.data.loading.transforms import AugmentSpec, decode_image
@@ -165,3 +166,14 @@ def test_gpu_decode_is_refused_for_data_it_cannot_decode(tmp_path: Path) -> None
     cfg, _ = resolve_config(["--data.decode", "gpu", "--data.cache-dir", str(tmp_path)])  # generated shapes
     with pytest.raises(ConfigError, match="data.decode gpu decodes packed JPEG images"):
         plan_run(cfg)
+
+
+def test_the_device_decoder_library_is_named() -> None:
+    """TorchCodec's decoder where it imports (the gpu extra), torchvision's otherwise."""
+    try:
+        import torchcodec.decoders  # noqa: F401
+
+        expected = "torchcodec"
+    except (ImportError, OSError, RuntimeError):
+        expected = "torchvision"
+    assert jpeg_decoder_library() == expected

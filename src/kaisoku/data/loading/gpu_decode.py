@@ -66,6 +66,11 @@ def _decode_jpeg() -> Any:
     return functools.partial(decode_jpeg, mode="RGB")
 
 
+def jpeg_decoder_library() -> str:
+    """Which library's batch JPEG decoder :func:`decode_on_device` uses: ``torchcodec`` or ``torchvision``."""
+    return str(_decode_jpeg().func.__module__).split(".")[0]
+
+
 @dataclass(kw_only=True)
 class EncodedBatch:
     """A batch of encoded images with their keyed crops and flips, decoded where it is moved to.
