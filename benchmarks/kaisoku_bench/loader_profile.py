@@ -2,10 +2,12 @@
 
 For each row set, over bytes in memory (the set's own JPEGs, and the same images as kaisoku's own format
 stores them: re-encoded at quality 90 with 4:2:0 chroma, as FFCV's writer does): the decoder alone
-(:func:`~kaisoku.data.loading.transforms.decode_image`, libjpeg-turbo through simplejpeg) and the batch
+(libjpeg-turbo through simplejpeg, into one reused buffer as the batch path decodes) and the batch
 path's whole pixel call (:func:`~kaisoku.data.loading.batch_augment.decode_batch_into`: decode, keyed crop,
 resize and flip into a channels-last batch, as a worker makes a batch), each the median of
-:data:`REPEATS` passes of this thread's CPU time. Set beside a loader row's CPU time per sample (every
+:data:`REPEATS` passes of this thread's CPU time, the two interleaved (the range of the passes is kept:
+this machine's speed drifts by a fifth over seconds, which the loaders' own rows, interleaved epochs, see
+as noise too). Set beside a loader row's CPU time per sample (every
 process of the row, its workers included), what is left over is the loader's own share: reading and
 checking records, the worker loop, the hand-over of batches.
 """
@@ -14,30 +16,21 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import simplejpeg
 
 from kaisoku.data.loading.batch_augment import decode_batch_into
 from kaisoku.data.loading.dataset import ImageLabelTransform, ShardedDataset
 from kaisoku.data.loading.transforms import decode_image
 
-REPEATS = 3
+REPEATS = 5
 """Timed passes per figure (the median is kept)."""
 CHUNK = 256
 """Samples per :func:`decode_batch_into` call (the loader's batch)."""
-
-
-def _us_per_sample(run: Callable[[], None], samples: int) -> float:
-    """Median over :data:`REPEATS` calls of ``run`` of this thread's CPU time, per sample, in µs."""
-    spent = []
-    for _ in range(REPEATS):
-        start = time.thread_time()
-        run()
-        spent.append(time.thread_time() - start)
-    return statistics.median(spent) / samples * 1e6
 
 
 def pack_images(pack_dir: Path, count: int) -> list[bytes]:
@@ -50,32 +43,58 @@ def pack_images(pack_dir: Path, count: int) -> list[bytes]:
         dataset.close()
 
 
-def stage_us(blobs: Sequence[bytes], transform: ImageLabelTransform, epoch: int) -> dict[str, float]:
-    """``decoder_us`` and ``batch_call_us`` per sample of ``blobs`` on this thread (see the module)."""
+def _jpeg_sides(data: bytes) -> tuple[int, int] | None:
+    """A JPEG's height and width, or None for other bytes (raw pixels, PNG)."""
+    try:
+        height, width = simplejpeg.decode_jpeg_header(data)[:2]
+    except ValueError:
+        return None
+    return int(height), int(width)
+
+
+def stage_us(blobs: Sequence[bytes], transform: ImageLabelTransform, epoch: int) -> dict[str, Any]:
+    """``decoder_us`` and ``batch_call_us`` per sample of ``blobs`` on this thread (see the module), each the
+    median of :data:`REPEATS` passes, the two interleaved pass by pass (a drift of the machine's speed falls
+    on both), with the range of the passes (``*_range_us``)."""
     spec = transform.spec
     buffer = np.empty((CHUNK, spec.size, spec.size, 3), dtype=np.uint8)
+    sides = [_jpeg_sides(data) for data in blobs]
+    jpeg = [side is not None for side in sides]
+    scratch = np.empty(max((h * w for h, w in filter(None, sides)), default=1) * 3, dtype=np.uint8)
 
-    def decode_all() -> None:
-        for data in blobs:
-            decode_image(data)
+    def decoder() -> None:
+        # Into one reused buffer, as the batch path decodes: the decoder's own time, no allocation's.
+        for data, is_jpeg in zip(blobs, jpeg, strict=True):
+            if is_jpeg:
+                simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=scratch, strict=True)
+            else:
+                decode_image(data)
 
-    def batch_calls() -> None:
+    def batch_call() -> None:
         for start in range(0, len(blobs), CHUNK):
             chunk = blobs[start : start + CHUNK]
             out = buffer[: len(chunk)].transpose(0, 3, 1, 2)  # channels-last, as the loader's batch ring
             indices = np.arange(start, start + len(chunk))
             decode_batch_into(chunk, spec, seed=transform.seed, epoch=epoch, indices=indices, out=out)
 
-    return {
-        "decoder_us": _us_per_sample(decode_all, len(blobs)),
-        "batch_call_us": _us_per_sample(batch_calls, len(blobs)),
-    }
+    runs = {"decoder": decoder, "batch_call": batch_call}
+    spent: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(REPEATS):
+        for name, run in runs.items():
+            start = time.thread_time()
+            run()
+            spent[name].append((time.thread_time() - start) / len(blobs) * 1e6)
+    figures: dict[str, Any] = {}
+    for name, values in spent.items():
+        figures[f"{name}_us"] = statistics.median(values)
+        figures[f"{name}_range_us"] = [round(min(values), 1), round(max(values), 1)]
+    return figures
 
 
 def profile_row(
     set_name: str,
-    own: dict[str, float],
-    own_format: dict[str, float],
+    own: dict[str, Any],
+    own_format: dict[str, Any],
     cpu_us: dict[str, float],
 ) -> dict[str, Any]:
     """The set's profile row: the one-thread stage figures (``own``: the set's JPEGs, ``own_format``:
@@ -89,6 +108,10 @@ def profile_row(
         "batch_call_us": round(own["batch_call_us"], 1),
         "own_format_decoder_us": round(own_format["decoder_us"], 1),
         "own_format_batch_call_us": round(own_format["batch_call_us"], 1),
+        "decoder_range_us": own["decoder_range_us"],
+        "batch_call_range_us": own["batch_call_range_us"],
+        "own_format_decoder_range_us": own_format["decoder_range_us"],
+        "own_format_batch_call_range_us": own_format["batch_call_range_us"],
     }
     stages = {
         "kaisoku": own["batch_call_us"],

@@ -29,8 +29,10 @@ def test_stage_figures_are_measured_over_the_bytes(tmp_path: Path) -> None:
     blobs = _folder(tmp_path / "train", 12)
     transform = ImageLabelTransform(spec=AugmentSpec(size=32), seed=0)
     stages = loader_profile.stage_us(blobs, transform, epoch=1)
-    assert set(stages) == {"decoder_us", "batch_call_us"}
-    assert all(value > 0 for value in stages.values())
+    assert set(stages) == {"decoder_us", "batch_call_us", "decoder_range_us", "batch_call_range_us"}
+    for stage in ("decoder", "batch_call"):
+        low, high = stages[f"{stage}_range_us"]
+        assert 0 < low <= round(stages[f"{stage}_us"], 1) <= high  # the median lies within its passes
     pack(tmp_path / "train", tmp_path / "packed", overwrite=True, progress=False, seed=0)
     stored = loader_profile.pack_images(tmp_path / "packed", 5)
     assert len(stored) == 5
@@ -38,10 +40,21 @@ def test_stage_figures_are_measured_over_the_bytes(tmp_path: Path) -> None:
 
 
 def test_profile_row_takes_each_rows_stages_off_its_cpu() -> None:
-    own = {"decoder_us": 40.0, "batch_call_us": 50.0}
-    own_format = {"decoder_us": 25.0, "batch_call_us": 33.0}
+    own = {
+        "decoder_us": 40.0,
+        "batch_call_us": 50.0,
+        "decoder_range_us": [39, 41],
+        "batch_call_range_us": [49, 52],
+    }
+    own_format = {
+        "decoder_us": 25.0,
+        "batch_call_us": 33.0,
+        "decoder_range_us": [24, 26],
+        "batch_call_range_us": [32, 34],
+    }
     row = loader_profile.profile_row("64px", own, own_format, {"kaisoku": 60.0, "ffcv": 31.0, "limit": 55.0})
     assert row["kaisoku_outside_stages_us"] == 10.0
     assert row["ffcv_outside_stages_us"] == 6.0  # FFCV's file is re-encoded: the own format's decoder
     assert "kaisoku-own-format_cpu_us" not in row  # a row that did not run is left out
     assert "limit_cpu_us" not in row
+    assert row["own_format_batch_call_range_us"] == [32, 34]
