@@ -294,7 +294,7 @@ def cmd_pack(argv: Sequence[str]) -> int:
         help="re-encode every image (but those --raw-side stores raw) as a JPEG of this quality, 1-100 (0: keep "
         "the source's bytes, the default: "
         "a second lossy encoding is yours to choose); FFCV's writer uses 90. Measured (kaisoku bench loader): "
-        "--jpeg-quality 90 with 4:2:0 loads 1.05-1.42x more images per second, 64 px to ImageNet-sized photos",
+        "--jpeg-quality 90 with 4:2:0 loads 1.38-1.62x more images per second, 64 px to ImageNet-sized photos",
     )
     parser.add_argument(
         "--jpeg-subsampling",
@@ -317,7 +317,7 @@ def cmd_pack(argv: Sequence[str]) -> int:
         "(binary PNM of the decoded pixels, read by a copy with no decoding); other images as the options "
         "above say. Off (0) by default, as they take several times a JPEG's bytes, and shards grow by as much "
         "(--shard-size counts the source files' bytes). Measured on 64 px images (kaisoku bench "
-        "loader): 2.5-3.3x the images per second of --jpeg-quality 90 4:2:0, for 5.55x its bytes",
+        "loader): 2.5-3.0x the images per second of --jpeg-quality 90 4:2:0, for 5.55x its bytes",
     )
     parser.add_argument(
         "--upgrade",
